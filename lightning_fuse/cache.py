@@ -1,0 +1,194 @@
+"""A persistent compile cache: one directory per (torch, triton, device, compiled code) key.
+
+Inductor's and Triton's on-disk caches are pointed into the directory before any compile, and torch's portable
+"mega-cache" (:func:`torch.compiler.save_cache_artifacts`) is saved there at fit end and loaded at fit start, so a
+second run of the same model starts warm. Corrupt or foreign artifacts are ignored with a warning; writes are
+atomic under a file lock, so several processes (DDP ranks) can share one directory.
+
+Example::
+
+    >>> import tempfile
+    >>> cache = CompileCache(tempfile.mkdtemp(), key_parts=["my-model"])
+    >>> with cache.activated():
+    ...     loaded = cache.load()
+    >>> loaded
+    False
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import inspect
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ARTIFACTS = "mega_cache.bin"
+ENV_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def default_cache_root() -> Path:
+    """``$XDG_CACHE_HOME/lightning_fuse`` (``~/.cache/lightning_fuse`` by default)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_fuse"
+
+
+def cache_key(modules: Iterable[nn.Module], device: torch.device, extra: Iterable[str] = ()) -> str:
+    """A short hash of the versions, device name and source code of the compiled modules' classes."""
+    parts = [torch.__version__, _triton_version(), _device_name(device), *extra]
+    for cls in sorted({type(m) for m in modules}, key=lambda c: c.__qualname__):
+        parts.append(cls.__module__ + "." + cls.__qualname__)
+        parts.append(_source(cls))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+class CompileCache:
+    """A compile cache directory.
+
+    Args:
+        root: The parent directory (``None``: :func:`default_cache_root`).
+        key_parts: Strings that identify what is compiled; the directory is ``root/<hash of key_parts>``. Use
+            :func:`cache_key` for the usual key.
+
+    Raises:
+        ValueError: If ``root`` exists and is not a directory, or cannot be written to.
+
+    Example::
+
+        >>> import tempfile
+        >>> CompileCache(tempfile.mkdtemp(), ["abc"]).directory.name
+        'abc'
+    """
+
+    def __init__(self, root: str | os.PathLike | None, key_parts: Iterable[str]) -> None:
+        key = "-".join(key_parts)
+        self.directory = Path(root or default_cache_root()).expanduser() / key
+        check_writable(self.directory.parent, "cache_dir")
+        self.loaded = False
+        self._saved_env: dict[str, str | None] = {}
+
+    @property
+    def artifacts_path(self) -> Path:
+        return self.directory / ARTIFACTS
+
+    @contextmanager
+    def activated(self) -> Iterator[CompileCache]:
+        """Point inductor's and Triton's caches into the directory for the duration of the block."""
+        self.activate()
+        try:
+            yield self
+        finally:
+            self.deactivate()
+
+    def activate(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for var, sub in ENV_DIRS.items():
+            self._saved_env[var] = os.environ.get(var)
+            os.environ[var] = str(self.directory / sub)
+
+    def deactivate(self) -> None:
+        for var, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        self._saved_env.clear()
+
+    def load(self) -> bool:
+        """Load the saved artifacts into torch's caches; ``False`` (with a warning if corrupt) when unusable."""
+        path = self.artifacts_path
+        if not path.is_file():
+            return False
+        try:
+            with _locked(self.directory):
+                data = path.read_bytes()
+            info = torch.compiler.load_cache_artifacts(data)
+        except Exception as err:  # noqa: BLE001 - a bad artifact must never cost the run
+            rank_zero_warn(
+                f"FuseCallback: ignoring the compile cache artifacts at {path} ({type(err).__name__}: "
+                f"{str(err)[:200]}); compiling cold. Delete the file to silence this."
+            )
+            return False
+        self.loaded = info is not None
+        return self.loaded
+
+    def save(self) -> bool:
+        """Save this process's compiled artifacts atomically; ``False`` when torch had nothing to save."""
+        try:
+            result = torch.compiler.save_cache_artifacts()
+        except Exception as err:  # noqa: BLE001 - saving the cache is best effort
+            rank_zero_warn(f"FuseCallback: could not save compile cache artifacts: {type(err).__name__}: {err}")
+            return False
+        if result is None:
+            return False
+        data, _ = result
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = self.artifacts_path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(data)
+        with _locked(self.directory):
+            os.replace(tmp, self.artifacts_path)
+        return True
+
+
+def cache_counters() -> tuple[int, int]:
+    """(hits, misses) of inductor's FX-graph cache and AOTAutograd's cache so far in this process."""
+    from torch._dynamo.utils import counters
+
+    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
+    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
+    return hits, misses
+
+
+def check_writable(directory: Path, argument: str) -> None:
+    """Raise a ``ValueError`` naming ``argument`` unless ``directory`` is (or can become) a writable directory."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"`{argument}` must be a directory, but {existing} is a file. Pass another path or False.")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(
+            f"`{argument}` directory {existing} is not writable. Pass a writable path, or `{argument}=False` to run "
+            "without a persistent compile cache."
+        )
+
+
+@contextmanager
+def _locked(directory: Path) -> Iterator[None]:
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "no-triton"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type

@@ -1,0 +1,380 @@
+"""FuseCallback: the Lightning hooks that compile, warm up, time and report. The work lives in the other modules."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_fuse import gpu
+from lightning_fuse.cache import CompileCache, cache_counters, cache_key
+from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, compile_regions, uncompile_regions
+from lightning_fuse.graphs import GraphedModule, graph_target
+from lightning_fuse.metrics import epoch_metrics, summary_table
+from lightning_fuse.options import FuseOptions
+from lightning_fuse.plan import Plan, choose_plan
+from lightning_fuse.regions import Region, Target, format_plan, resolve_regions
+from lightning_fuse.shapes import CompileTracker, DimSpec, _tensors
+from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerSchedule, StepTimer, summarize
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+log = logging.getLogger(__name__)
+
+
+class FuseCallback(Callback):
+    r"""Compile chosen submodules of the LightningModule in place, and log how much faster training got.
+
+    At fit start the callback resolves ``targets`` into regions, compiles each in place (``state_dict`` keys,
+    hooks and classes never change), points torch's compile caches at ``cache_dir`` and loads last run's
+    artifacts. During training it marks varying batch dims dynamic, keeps warmup and compiling steps out of the
+    timing, runs a few steps per epoch eagerly as the reference, and at each epoch end logs ``fuse/speedup``,
+    ``fuse/step_ms`` and friends to every logger of the Trainer, with the epoch as the step. At fit end it prints
+    a summary, writes it to TensorBoard and saves the compile cache; at teardown the model is eager again.
+
+    Args:
+        targets: What to compile: ``"auto"`` (the repeated blocks: children of an ``nn.ModuleList``/``Sequential``
+            sharing one class; the whole model where there are none), ``"full"`` (every top-level child of the
+            LightningModule), dotted-name globs relative to the LightningModule (``"model.blocks.*"``), class names,
+            classes, or a list of those. Overlaps compile the outermost module once.
+        exclude: Modules to keep eager, in the same forms; an excluded module inside a target splits the target.
+        mode: ``"auto"`` chooses the plan for the device (see :mod:`lightning_fuse.plan`); otherwise a
+            ``torch.compile`` mode: ``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
+            ``"max-autotune-no-cudagraphs"``.
+        backend: ``torch.compile`` backend, a name or a callable.
+        fullgraph: Passed to ``torch.compile``.
+        dynamic: Passed to ``torch.compile``.
+        options: Inductor options passed to ``torch.compile`` (not together with an explicit ``mode``).
+        cuda_graph: One CUDA graph over the model's forward and backward: ``"auto"`` (on for CUDA with the default
+            mode), ``True`` or ``False``. Batches of another shape run without it.
+        dynamic_dims: ``"auto"`` marks the batch dim of every batch tensor when the train loader can yield a
+            partial last batch; ``None`` marks nothing; or a mapping such as ``{"x": [0]}``, ``{0: [0]}``,
+            ``{"input_ids": [0, 1]}``.
+        verify: On the first call of each region (per train/eval mode), compare the compiled output with eager; a
+            region that disagrees runs eagerly, with a warning showing the mismatch.
+        cache_dir: Compile cache root; ``None`` uses ``~/.cache/lightning_fuse``, ``False`` disables persistence.
+        recompile_limit: Recompiles a region may make before ``on_recompile_limit`` applies.
+        on_recompile_limit: ``"eager"`` (the region runs eagerly) or ``"dynamic"`` (compile it with
+            ``dynamic=True`` once, then eager).
+        warmup_steps: Training steps at fit start kept out of the timing (``None``: 1, or 3 with a CUDA graph).
+            Steps that compile, and partial batches, are always kept out.
+        eager_steps: Eager reference steps per epoch, spread through it; ``0`` turns the speedup measurement off.
+        gpu_sample_hz: NVML sampling rate for GPU utilisation; ``0`` disables it.
+        profile_steps: Reserved for a ``torch.profiler`` window; ``0`` (off) is the only value supported so far.
+        length_fn: ``batch -> number of items`` (e.g. tokens) to log ``fuse/items_per_s``.
+
+    Raises:
+        ValueError: If ``mode``, ``cuda_graph``, ``on_recompile_limit`` or a number is out of range, or options
+            conflict; at fit start, if a target or exclude pattern matches no module; at the first batch, if
+            ``dynamic_dims`` names a key or dim the batch lacks.
+        TypeError: If an argument has the wrong type.
+
+    Example::
+
+        >>> import lightning.pytorch as pl
+        >>> from lightning_fuse import FuseCallback
+        >>> trainer = pl.Trainer(callbacks=[FuseCallback(targets="model.blocks.*", exclude="model.head")],
+        ...                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    """
+
+    def __init__(
+        self,
+        targets: Target | Sequence[Target] = "auto",
+        exclude: Target | Sequence[Target] = (),
+        mode: str = "auto",
+        backend: str | Callable[..., Any] = "inductor",
+        fullgraph: bool = False,
+        dynamic: bool | None = None,
+        options: Mapping[str, Any] | None = None,
+        cuda_graph: bool | str = "auto",
+        dynamic_dims: str | DimSpec | None = "auto",
+        verify: bool = True,
+        cache_dir: str | os.PathLike | bool | None = None,
+        recompile_limit: int = 8,
+        on_recompile_limit: str = "eager",
+        warmup_steps: int | None = None,
+        eager_steps: int = 8,
+        gpu_sample_hz: float = 10.0,
+        profile_steps: int = 0,
+        length_fn: Callable[[Any], int] | None = None,
+    ) -> None:
+        self.options = FuseOptions(
+            targets=targets, exclude=exclude, mode=mode, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
+            options=options, cuda_graph=cuda_graph, dynamic_dims=dynamic_dims, verify=verify, cache_dir=cache_dir,
+            recompile_limit=recompile_limit, on_recompile_limit=on_recompile_limit, warmup_steps=warmup_steps,
+            eager_steps=eager_steps, gpu_sample_hz=gpu_sample_hz, profile_steps=profile_steps, length_fn=length_fn,
+        )  # fmt: skip
+        if profile_steps:
+            raise ValueError("`profile_steps` is not supported yet; leave it at 0.")
+        self.tracker = CompileTracker()
+        self.history: list[dict[str, float]] = []
+        self.plan: Plan | None = None
+        self.regions: list[Region] = []
+        self.runners: list[CompiledRegion] = []
+        self.graph: GraphedModule | None = None
+        self.cache: CompileCache | None = None
+        self._policy = RegionPolicy(verify=verify, recompile_limit=recompile_limit,
+                                    on_recompile_limit=on_recompile_limit)  # fmt: skip
+        self._schedule = EagerSchedule(eager_steps)
+        self._timer: StepTimer | None = None
+        self._sampler: gpu.GpuSampler | None = None
+        self._fit_steps = 0
+        self._nominal_batch = 0
+        self._step_kind = SKIPPED
+        self._step_compiles = 0
+        self._stance: Any = None
+        self._flop_counter: Any = None
+        self._flops_per_batch: float | None = None
+        self._peak_flops: float | None = None
+        self._items: list[float] = []
+        self._cache_at_start = (0, 0)
+        self._saved_recompile_limit: int | None = None
+        self._partial_possible: dict[str, bool] = {}
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(targets=repr(self.options.targets), mode=self.options.mode)
+
+    @property
+    def compiled_regions(self) -> list[str]:
+        """Names of the regions running compiled right now."""
+        return [r.name for r in self.runners if r.is_compiled]
+
+    # ------------------------------------------------------------------ fit start: compile
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.runners:  # already compiled in this process (e.g. fit called again): nothing to redo
+            return
+        device = pl_module.device
+        self.regions = resolve_regions(pl_module, self.options.targets, self.options.exclude)
+        self.plan = choose_plan(self.options.mode, self.options.cuda_graph, device)
+        self._start_cache(trainer, device)
+        self._raise_dynamo_recompile_limit(len(self.regions))
+        self.tracker.install()
+        compile_options = CompileOptions(
+            mode=self.plan.compile_mode, backend=self.options.backend, fullgraph=self.options.fullgraph,
+            dynamic=self.options.dynamic, options=dict(self.options.options) if self.options.options else None,
+        )  # fmt: skip
+        self.runners = compile_regions(self.regions, compile_options, self.tracker, self._policy)
+        if self.plan.cuda_graph:
+            self.graph = GraphedModule(*graph_target(pl_module))
+            self.graph.install()
+        self._timer = StepTimer(device)
+        self._start_gpu_metrics(trainer, pl_module, device)
+        rank_zero_info(f"FuseCallback plan: {self.plan.describe()}\n{format_plan(self.regions, pl_module)}")
+
+    def _start_cache(self, trainer: pl.Trainer, device: torch.device) -> None:
+        if self.options.cache_dir is False:
+            return
+        key = cache_key([r.module for r in self.regions], device, [str(self.plan), str(self.options.backend)])
+        self.cache = CompileCache(self.options.cache_dir, [key])
+        self.cache.activate()
+        trainer.strategy.barrier()  # rank zero saved last; everyone reads the same file
+        self.cache.load()
+        self._cache_at_start = cache_counters()
+
+    def _raise_dynamo_recompile_limit(self, regions: int) -> None:
+        # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
+        # reached before ours; our limit is per region and enforced in compiler.CompiledRegion.
+        config = torch._dynamo.config
+        self._saved_recompile_limit = config.recompile_limit
+        config.recompile_limit = max(config.recompile_limit, min(256, (self.options.recompile_limit + 1) * regions))
+
+    def _start_gpu_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device) -> None:
+        if device.type != "cuda":
+            rank_zero_info("FuseCallback: no CUDA device, so GPU utilisation, MFU and peak memory are not measured.")
+            return
+        self._peak_flops = gpu.peak_flops(device, _compute_dtype(trainer))
+        self._flops_per_batch = getattr(pl_module, "flops_per_batch", None)
+        if self.options.gpu_sample_hz > 0:
+            self._sampler = gpu.GpuSampler(device.index or 0, hz=self.options.gpu_sample_hz)
+            if not self._sampler.start():
+                self._sampler = None
+
+    # ------------------------------------------------------------------ each step: shapes, eager window, timing
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        first = max(0, self._warmup_steps() - self._fit_steps)
+        self._schedule.plan_epoch(trainer.num_training_batches, first)
+        self._items = []
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        self._mark_dynamic(batch, "train", trainer.train_dataloader)
+        size = _batch_size(batch)
+        self._nominal_batch = max(self._nominal_batch, size)
+        self._step_kind = self._kind_of_step(batch_idx, size)
+        if self._step_kind == EAGER or self._needs_flop_count():
+            self._stance = torch.compiler.set_stance("force_eager")
+        if self._needs_flop_count():
+            self._step_kind = SKIPPED
+            self._flop_counter = gpu.count_step_flops()
+            self._flop_counter.__enter__()
+        if self.graph is not None:
+            self.graph.capture_allowed = self._fit_steps >= 1  # regions compile on step 0, capture after
+        if self.options.length_fn is not None and self._step_kind != SKIPPED:
+            self._items.append(float(self.options.length_fn(batch)))
+        self._step_compiles = self.tracker.total_compiles
+        self._timer.start()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        compiled_now = self.tracker.total_compiles != self._step_compiles
+        captured_now = self.graph is not None and self.graph.captured_during_last_call
+        kind = SKIPPED if compiled_now or captured_now else self._step_kind
+        self._timer.stop(kind)
+        self._end_step_context()
+        self._fit_steps += 1
+
+    def _kind_of_step(self, batch_idx: int, size: int) -> str:
+        if self._fit_steps < self._warmup_steps() or size != self._nominal_batch:
+            return SKIPPED
+        return EAGER if self._schedule.is_eager(batch_idx) else COMPILED
+
+    def _needs_flop_count(self) -> bool:
+        return (
+            self._step_kind == EAGER and self._peak_flops is not None and self._flops_per_batch is None
+            and self._flop_counter is None
+        )  # fmt: skip
+
+    def _end_step_context(self) -> None:
+        if self._flop_counter is not None and self._flops_per_batch is None:
+            self._flop_counter.__exit__(None, None, None)
+            self._flops_per_batch = float(self._flop_counter.total) or None
+        if self._stance is not None:
+            self._stance.__exit__(None, None, None)
+            self._stance = None
+
+    def _warmup_steps(self) -> int:
+        if self.options.warmup_steps is not None:
+            return self.options.warmup_steps
+        return 3 if self.plan is not None and self.plan.cuda_graph else 1
+
+    @override
+    def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._mark_dynamic(batch, "validate", trainer.val_dataloaders)
+
+    @override
+    def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
+                            dataloader_idx: int = 0) -> None:  # fmt: skip
+        self._mark_dynamic(batch, "test", trainer.test_dataloaders)
+
+    def _mark_dynamic(self, batch: Any, stage: str, loaders: Any) -> None:
+        if stage not in self._partial_possible:
+            # A CUDA graph needs static shapes: odd batches then run without it instead of going dynamic.
+            static = self.plan is not None and self.plan.cuda_graph
+            self._partial_possible[stage] = not static and _can_yield_partial_batch(loaders)
+        self._policy.dynamic_sizes = self.options.dims.apply(batch, self._partial_possible[stage])
+
+    # ------------------------------------------------------------------ epoch end: report
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._timer is None:
+            return
+        timing = summarize(self._timer.collect())
+        extra = self._sampler.read_and_reset() if self._sampler else {}
+        if pl_module.device.type == "cuda":
+            extra["peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
+        hits, misses = (now - start for now, start in zip(cache_counters(), self._cache_at_start))
+        extra.update(cache_hits=hits, cache_misses=misses)
+        metrics = epoch_metrics(
+            timing, self._nominal_batch, self.tracker.total_s, self.tracker.total_recompiles,
+            items_per_batch=sum(self._items) / len(self._items) if self._items else None,
+            flops_per_batch=self._flops_per_batch, peak_flops=self._peak_flops, extra=extra,
+        )  # fmt: skip
+        self.history.append({"epoch": float(trainer.current_epoch), **metrics})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.current_epoch)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer)
+        if self.cache is not None and trainer.is_global_zero:
+            self.cache.save()
+
+    @rank_zero_only
+    def _report(self, trainer: pl.Trainer) -> None:
+        text = summary_table(self.history, self.tracker, self.plan.describe() if self.plan else "-")
+        rank_zero_info(text)
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_text"):
+                experiment.add_text("fuse/summary", text, global_step=trainer.current_epoch)
+                experiment.flush()
+
+    # ------------------------------------------------------------------ undo
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
+        if self._stance is not None or self._flop_counter is not None:
+            self._end_step_context()
+        if self.graph is not None:
+            self.graph.uninstall()
+            self.graph = None
+        uncompile_regions(self.runners)
+        self.runners = []
+        self.tracker.remove()
+        if self._sampler is not None:
+            self._sampler.stop()
+            self._sampler = None
+        if self.cache is not None:
+            self.cache.deactivate()
+        if self._saved_recompile_limit is not None:
+            torch._dynamo.config.recompile_limit = self._saved_recompile_limit
+            self._saved_recompile_limit = None
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [dict(row) for row in self.history], "plan": self.plan.describe() if self.plan else None}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.history = [dict(row) for row in state_dict.get("history", [])]
+
+
+def _batch_size(batch: Any) -> int:
+    first = next(_tensors(batch), None)
+    return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+
+
+def _can_yield_partial_batch(loaders: Any) -> bool:
+    """Whether any of ``loaders`` (a DataLoader or a collection of them) can yield a partial last batch."""
+    found = []
+    apply_to_collection(loaders, DataLoader, found.append)
+    for loader in found:
+        dataset = loader.dataset
+        if loader.batch_size is None or not hasattr(dataset, "__len__"):
+            return True  # a batch sampler or an iterable dataset: assume it can
+        if len(dataset) % loader.batch_size and not loader.drop_last:
+            return True
+    return not found and loaders is not None
+
+
+def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
+    precision = str(trainer.precision)
+    if "bf16" in precision:
+        return torch.bfloat16
+    if "16" in precision:
+        return torch.float16
+    return torch.float32

@@ -1,0 +1,271 @@
+"""Compile regions in place, check them against eager, fall back per region, and undo it all.
+
+In-place means the same mechanism as :meth:`torch.nn.Module.compile`: the module's ``_compiled_call_impl`` is set,
+so its class, hooks, parameter names and ``state_dict`` keys never change. We install a small callable there
+(:class:`CompiledRegion`) that adds what ``Module.compile`` lacks: compile accounting, a first-call check against
+eager, and a per-region fallback to eager on failure.
+
+Example::
+
+    >>> import torch
+    >>> from lightning_fuse.regions import Region
+    >>> block = torch.nn.Linear(4, 4)
+    >>> runners = compile_regions([Region("block", block)], CompileOptions(backend="eager"))
+    >>> block(torch.randn(2, 4)).shape
+    torch.Size([2, 4])
+    >>> uncompile_regions(runners)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_fuse.regions import Region
+from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
+
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+LIMIT_ACTIONS = ("eager", "dynamic")
+
+# (rtol, atol) for comparing a compiled region with eager; compilers reorder float math.
+TOLERANCES = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-3, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (5e-2, 5e-2),
+}
+
+
+@dataclass
+class CompileOptions:
+    """The arguments passed through to :func:`torch.compile` for every region."""
+
+    mode: str | None = None
+    backend: str | Callable[..., Any] = "inductor"
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    options: dict[str, Any] | None = None
+
+    def kwargs(self, **overrides: Any) -> dict[str, Any]:
+        kwargs = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
+        # torch.compile refuses mode and options together
+        kwargs.update({"options": self.options} if self.options else {"mode": self.mode})
+        kwargs.update(overrides)
+        return kwargs
+
+
+@dataclass
+class RegionPolicy:
+    """How each region behaves after compiling: verification and the recompile limit."""
+
+    verify: bool = True
+    recompile_limit: int = 8
+    on_recompile_limit: str = "eager"
+    dynamic_sizes: set[tuple[int, int]] = field(default_factory=set)
+    """The batch's ``(dim, size)`` pairs marked dynamic this step; carried onto region inputs."""
+
+
+class CompiledRegion:
+    """The callable installed as a region's ``_compiled_call_impl``.
+
+    Args:
+        region: The region to compile.
+        options: torch.compile arguments.
+        tracker: Where compiles are counted.
+        policy: Verification and recompile-limit settings, shared by all regions of one callback.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_fuse.regions import Region
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> runner = CompiledRegion(Region("lin", lin), CompileOptions(backend="eager"), CompileTracker(),
+        ...                         RegionPolicy())
+        >>> runner.install(); runner.is_compiled
+        True
+        >>> runner.uninstall(); lin._compiled_call_impl is None
+        True
+    """
+
+    def __init__(self, region: Region, options: CompileOptions, tracker: CompileTracker, policy: RegionPolicy):
+        self.region = region
+        self.options = options
+        self.tracker = tracker
+        self.policy = policy
+        self.fallback_reason: str | None = None
+        self._compiled = torch.compile(region.module._call_impl, **options.kwargs())
+        self._verified: set[ModeKey] = set()
+        self._warned_recompile = False
+        self._made_dynamic = False
+        self._recompiles_allowed = policy.recompile_limit
+
+    @property
+    def name(self) -> str:
+        return self.region.name
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.fallback_reason is None and self.region.module._compiled_call_impl is self
+
+    def install(self) -> None:
+        self.region.module._compiled_call_impl = self
+
+    def uninstall(self) -> None:
+        if self.region.module._compiled_call_impl is self:
+            self.region.module._compiled_call_impl = None
+
+    def fall_back(self, reason: str) -> None:
+        """Run this region eagerly for the rest of the run, with one warning naming it and why."""
+        if self.fallback_reason is None:
+            self.fallback_reason = reason
+            rank_zero_warn(f"FuseCallback: region {self.name!r} falls back to eager for the rest of the run: {reason}")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.region.module
+        if self.fallback_reason is not None:
+            return module._call_impl(*args, **kwargs)
+        if self.policy.dynamic_sizes:
+            mark_region_inputs(args, self.policy.dynamic_sizes)
+        mode = (module.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if self.policy.verify and mode not in self._verified and not forced_eager():
+            return self._verified_call(mode, args, kwargs)
+        return self._guarded_call(mode, args, kwargs)
+
+    def _guarded_call(self, mode: ModeKey, args: tuple, kwargs: dict) -> Any:
+        module = self.region.module
+        before = self.tracker.total_compiles
+        try:
+            with self.tracker.calling(self.name, mode):
+                out = self._compiled(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - any compiler failure; a user bug re-raises from eager below
+            out = module._call_impl(*args, **kwargs)  # raises here if the code itself is wrong
+            self.fall_back(describe_error(err))
+            return out
+        if self.tracker.total_compiles != before:
+            self._check_recompiles()
+        return out
+
+    def _verified_call(self, mode: ModeKey, args: tuple, kwargs: dict) -> Any:
+        module = self.region.module
+        if module.training and torch.is_grad_enabled() and _has_active_dropout(module):
+            return self._guarded_call(mode, args, kwargs)  # random in train mode: checked on the first eval call
+        buffers_before = _snapshot_buffers(module)
+        out = self._guarded_call(mode, args, kwargs)
+        if self.fallback_reason is not None:
+            return out
+        buffers_after = _snapshot_buffers(module)
+        _restore_buffers(module, buffers_before)
+        with torch.no_grad():
+            reference = module.forward(*args, **kwargs)  # not _call_impl: hooks already ran once
+        mismatch = _compare(out, reference)
+        self._verified.add(mode)
+        if mismatch is None:
+            _restore_buffers(module, buffers_after)
+            return out
+        _restore_buffers(module, buffers_before)
+        self.fall_back(f"its compiled output differs from eager on the first batch ({mismatch})")
+        return module._call_impl(*args, **kwargs)
+
+    def _check_recompiles(self) -> None:
+        stats = self.tracker.stats(self.name)
+        if stats.recompiles and not self._warned_recompile:
+            self._warned_recompile = True
+            warn_recompile(self.name, stats)
+        if stats.recompiles <= self._recompiles_allowed:
+            return
+        if self.policy.on_recompile_limit == "dynamic" and not self._made_dynamic:
+            self._made_dynamic = True
+            self._recompiles_allowed = stats.recompiles + 1 + self.policy.recompile_limit  # the dynamic one is free
+            self._compiled = torch.compile(self.region.module._call_impl, **self.options.kwargs(dynamic=True))
+            rank_zero_warn(
+                f"FuseCallback: region {self.name!r} recompiled {stats.recompiles} times (limit "
+                f"{self.policy.recompile_limit}); compiling it with dynamic=True from now on."
+            )
+            return
+        self.fall_back(
+            f"it recompiled {stats.recompiles} times (recompile_limit={self.policy.recompile_limit}); last reason: "
+            f"{stats.recompile_reasons[-1] if stats.recompile_reasons else 'unknown'}. Declare varying dims with "
+            "`dynamic_dims` or raise `recompile_limit`."
+        )
+
+
+def compile_regions(
+    regions: Sequence[Region],
+    options: CompileOptions,
+    tracker: CompileTracker | None = None,
+    policy: RegionPolicy | None = None,
+) -> list[CompiledRegion]:
+    """Compile every region in place and return the runners (pass them to :func:`uncompile_regions` to undo)."""
+    tracker = tracker or CompileTracker()
+    policy = policy or RegionPolicy()
+    runners = [CompiledRegion(region, options, tracker, policy) for region in regions]
+    for runner in runners:
+        runner.install()
+    return runners
+
+
+def uncompile_regions(runners: Sequence[CompiledRegion]) -> None:
+    """Restore plain eager modules, exactly as before :func:`compile_regions`."""
+    for runner in runners:
+        runner.uninstall()
+
+
+def forced_eager() -> bool:
+    return torch.compiler.is_compiling() or _stance() == "force_eager"
+
+
+def _stance() -> str:
+    # torch keeps the active stance here; reading it is the only way to know we run under set_stance("force_eager")
+    return getattr(torch._dynamo.eval_frame._stance, "stance", "default")
+
+
+def _has_active_dropout(module: nn.Module) -> bool:
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+            return True
+        if isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
+            return True
+    return False
+
+
+def _snapshot_buffers(module: nn.Module) -> list[torch.Tensor]:
+    return [b.detach().clone() for b in module.buffers()]
+
+
+def _restore_buffers(module: nn.Module, saved: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for buffer, value in zip(module.buffers(), saved):
+            buffer.copy_(value)
+
+
+def _compare(out: Any, reference: Any) -> str | None:
+    """None when ``out`` matches ``reference`` at a dtype-aware tolerance, else a short description."""
+    got, _ = tree_flatten(out)
+    want, _ = tree_flatten(reference)
+    if len(got) != len(want):
+        return f"{len(got)} outputs against {len(want)} from eager"
+    for index, (a, b) in enumerate(zip(got, want)):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.is_floating_point()):
+            continue
+        rtol, atol = TOLERANCES.get(b.dtype, (1e-3, 1e-4))
+        try:
+            torch.testing.assert_close(a.detach(), b, rtol=rtol, atol=atol)
+        except AssertionError as err:
+            return f"output {index}: " + " ".join(str(err).split())[:300]
+    return None
+
+
+def describe_error(err: BaseException) -> str:
+    """``Type: message`` of the innermost cause (torch wraps backend errors), first line only."""
+    root = err
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
+    lines = str(root).strip().splitlines()
+    message = f"{type(root).__name__}: {lines[0][:300] if lines else '(no message)'}"
+    return message if root is err else f"{type(err).__name__} ({message})"

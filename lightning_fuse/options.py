@@ -1,0 +1,130 @@
+"""FuseCallback's arguments, checked before anything runs.
+
+Every check names the argument, the value received and what to pass instead, so a mistake fails at
+construction, not deep inside torch during the first step.
+
+Example::
+
+    >>> FuseOptions(mode="fast")
+    Traceback (most recent call last):
+    ...
+    ValueError: `mode` must be one of auto, default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs, got 'fast'.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_fuse.compiler import LIMIT_ACTIONS, MODES
+from lightning_fuse.regions import Target, normalize_targets
+from lightning_fuse.shapes import DimSpec, DynamicDims
+
+AUTO = "auto"
+
+
+@dataclass(kw_only=True)
+class FuseOptions:
+    """The validated settings of a :class:`~lightning_fuse.FuseCallback` (see its docstring for each field)."""
+
+    targets: Target | Sequence[Target] = AUTO
+    exclude: Target | Sequence[Target] = ()
+    mode: str = AUTO
+    backend: str | Callable[..., Any] = "inductor"
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    options: Mapping[str, Any] | None = None
+    cuda_graph: bool | str = AUTO
+    dynamic_dims: str | DimSpec | None = AUTO
+    verify: bool = True
+    cache_dir: str | os.PathLike | bool | None = None
+    recompile_limit: int = 8
+    on_recompile_limit: str = "eager"
+    warmup_steps: int | None = None
+    eager_steps: int = 8
+    gpu_sample_hz: float = 10.0
+    profile_steps: int = 0
+    length_fn: Callable[[Any], int] | None = None
+
+    def __post_init__(self) -> None:
+        self.targets = normalize_targets(self.targets, "targets")
+        self.exclude = normalize_targets(self.exclude, "exclude")
+        _one_of("mode", self.mode, (AUTO, *MODES))
+        _one_of("on_recompile_limit", self.on_recompile_limit, LIMIT_ACTIONS)
+        _one_of("cuda_graph", self.cuda_graph, (AUTO, True, False))
+        if not (isinstance(self.backend, str) or callable(self.backend)):
+            raise TypeError(f"`backend` must be a backend name or a callable, got {type(self.backend).__name__}.")
+        if isinstance(self.backend, str) and not self.backend.strip():
+            raise ValueError("`backend` is an empty string; use 'inductor' (default), 'aot_eager' or 'eager'.")
+        for name in ("fullgraph", "verify"):
+            _bool(name, getattr(self, name))
+        if self.dynamic not in (None, True, False):
+            raise TypeError(f"`dynamic` must be None, True or False, got {self.dynamic!r}.")
+        if self.options is not None and not isinstance(self.options, Mapping):
+            raise TypeError(f"`options` must be a dict of inductor options or None, got {type(self.options).__name__}.")
+        if self.options is not None and self.mode not in (AUTO, "default"):
+            raise ValueError(
+                f"`mode={self.mode!r}` and `options` cannot be combined (torch.compile refuses both); put the mode's "
+                "settings into `options`, e.g. options={'triton.cudagraphs': True} for reduce-overhead."
+            )
+        _int_at_least("recompile_limit", self.recompile_limit, 1)
+        _int_at_least("eager_steps", self.eager_steps, 0)
+        _int_at_least("profile_steps", self.profile_steps, 0)
+        if self.warmup_steps is not None:
+            _int_at_least("warmup_steps", self.warmup_steps, 0)
+        if isinstance(self.gpu_sample_hz, bool) or not isinstance(self.gpu_sample_hz, (int, float)):
+            raise TypeError(f"`gpu_sample_hz` must be a number (samples per second), got {self.gpu_sample_hz!r}.")
+        if not 0 <= self.gpu_sample_hz <= 1000:
+            raise ValueError(f"`gpu_sample_hz` must be in [0, 1000] (0 disables sampling), got {self.gpu_sample_hz}.")
+        if self.length_fn is not None and not callable(self.length_fn):
+            raise TypeError("`length_fn` must be a callable batch -> number of items (e.g. tokens), or None.")
+        self.dims = DynamicDims(self.dynamic_dims)  # validates the spec's types
+        self._check_cache_dir()
+        self._check_conflicts()
+
+    def _check_cache_dir(self) -> None:
+        if self.cache_dir is None or self.cache_dir is False:
+            return
+        if self.cache_dir is True:
+            self.cache_dir = None
+            return
+        if not isinstance(self.cache_dir, (str, os.PathLike)):
+            raise TypeError(f"`cache_dir` must be a path, None (default location) or False, got {self.cache_dir!r}.")
+        from lightning_fuse.cache import check_writable
+
+        check_writable(Path(self.cache_dir).expanduser(), "cache_dir")
+
+    def _check_conflicts(self) -> None:
+        if self.cuda_graph is True and self.mode in ("reduce-overhead", "max-autotune"):
+            raise ValueError(
+                f"`cuda_graph=True` and `mode={self.mode!r}` both capture CUDA graphs and cannot be combined. Use "
+                "cuda_graph=True with mode='default' (one graph over the whole step), or cuda_graph=False."
+            )
+        if self.cuda_graph is True and isinstance(self.dims.spec, Mapping):
+            raise ValueError(
+                "`cuda_graph=True` needs static shapes but `dynamic_dims` declares varying dims. Use one: "
+                "cuda_graph=False to compile with dynamic dims, or dynamic_dims='auto' (batches whose shape differs "
+                "from the captured one, such as a partial last batch, then run without the graph)."
+            )
+
+
+def _one_of(name: str, value: Any, allowed: Sequence[Any]) -> None:
+    if isinstance(value, bool) and not any(a is value for a in allowed):
+        raise ValueError(f"`{name}` must be one of {', '.join(map(str, allowed))}, got {value!r}.")
+    if not isinstance(value, (str, bool)) or value not in allowed:
+        raise ValueError(f"`{name}` must be one of {', '.join(map(str, allowed))}, got {value!r}.")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {type(value).__name__}: {value!r}.")
+
+
+def _int_at_least(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}: {value!r}.")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")

@@ -1,0 +1,302 @@
+"""Dynamic dims on batches, and accounting of compiles, recompiles and graph breaks per region.
+
+Example::
+
+    >>> import torch
+    >>> dims = DynamicDims({"x": [0]})
+    >>> sizes = dims.apply({"x": torch.zeros(8, 3), "y": torch.zeros(8)})
+    >>> sizes
+    {(0, 8)}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch._dynamo.utils import counters, get_compilation_metrics
+
+AUTO = "auto"
+DimSpec = Mapping[str | int, Sequence[int]]
+ModeKey = tuple[bool, bool, bool]
+"""(module.training, grad enabled, inference mode): each combination legitimately has its own graph."""
+
+
+class DynamicDims:
+    """Marks the dims of batch tensors that vary, so a partial batch or a new length does not recompile.
+
+    Args:
+        spec: ``"auto"`` marks dim 0 of every tensor in the batch when its loader can yield a partial last batch;
+            ``None`` marks nothing; a mapping from a batch key (a ``str`` for dict or
+            dataclass batches, an ``int`` index for tuple/list batches) to the dims that vary, e.g.
+            ``{"input_ids": [0, 1]}`` or ``{0: [0]}``.
+
+    Raises:
+        TypeError: If ``spec`` is not ``"auto"``, ``None`` or a mapping of keys to lists of ints.
+        ValueError: On the first batch, if a key is missing from it or a dim is out of range.
+
+    Example::
+
+        >>> import torch
+        >>> DynamicDims({0: [0]}).apply((torch.zeros(4, 2), torch.zeros(4)))
+        {(0, 4)}
+    """
+
+    def __init__(self, spec: str | DimSpec | None = AUTO) -> None:
+        self.spec = _validate_spec(spec)
+
+    def apply(self, batch: Any, partial_possible: bool = True) -> set[tuple[int, int]]:
+        """Mark the declared dims on ``batch`` and return the ``(dim, size)`` pairs marked.
+
+        ``partial_possible`` says whether the batch's loader can yield a partial last batch (the ``"auto"`` rule).
+        """
+        if not self.spec or (self.spec == AUTO and not partial_possible):
+            return set()
+        if self.spec == AUTO:
+            return {_mark(tensor, 0) for tensor in _tensors(batch) if tensor.dim() > 0 and tensor.shape[0] > 1}
+        marked = set()
+        for key, dims in self.spec.items():
+            entry = self._lookup(batch, key)
+            for tensor in _tensors(entry):
+                for dim in dims:
+                    self._check_dim(key, tensor, dim)
+                    if tensor.shape[dim] > 1:  # sizes 0 and 1 are always specialised by dynamo
+                        marked.add(_mark(tensor, dim))
+        return marked
+
+    def _lookup(self, batch: Any, key: str | int) -> Any:
+        found, value = _get(batch, key)
+        if not found:
+            raise ValueError(
+                f"`dynamic_dims` names key {key!r}, but the batch ({type(batch).__name__}) has keys "
+                f"{_keys(batch)}. Use one of those (str keys for dict/dataclass batches, int indices for tuples)."
+            )
+        return value
+
+    def _check_dim(self, key: str | int, tensor: torch.Tensor, dim: int) -> None:
+        if not -tensor.dim() <= dim < tensor.dim():
+            raise ValueError(
+                f"`dynamic_dims[{key!r}]` names dim {dim}, but that batch entry has shape {tuple(tensor.shape)} "
+                f"({tensor.dim()} dims). Use a dim in [0, {tensor.dim() - 1}]."
+            )
+
+
+def mark_region_inputs(args: Sequence[Any], sizes: set[tuple[int, int]]) -> None:
+    """Carry the batch's dynamic dims onto a region's tensor inputs (same dim index, same size).
+
+    Activations entering a region are new tensors each step, so marks on the batch do not reach them.
+    """
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            for dim, size in sizes:
+                if dim < arg.dim() and arg.shape[dim] == size:
+                    torch._dynamo.maybe_mark_dynamic(arg, dim)
+
+
+def _validate_spec(spec: Any) -> str | DimSpec | None:
+    if spec is None or spec is False or spec == AUTO:
+        return None if spec is False else spec
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            f'`dynamic_dims` must be "auto", None or a mapping like {{"x": [0]}} or {{0: [0]}}, got '
+            f"{type(spec).__name__}: {spec!r}."
+        )
+    clean: dict[str | int, tuple[int, ...]] = {}
+    for key, dims in spec.items():
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise TypeError(f"`dynamic_dims` keys must be str or int batch keys, got {key!r}.")
+        dims = [dims] if isinstance(dims, int) else dims
+        if not isinstance(dims, Sequence) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            raise TypeError(f"`dynamic_dims[{key!r}]` must be a list of ints (dims), got {dims!r}.")
+        clean[key] = tuple(dims)
+    return clean
+
+
+def _mark(tensor: torch.Tensor, dim: int) -> tuple[int, int]:
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    return dim % tensor.dim(), tensor.shape[dim]
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            yield from _tensors(value)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
+
+
+def _get(batch: Any, key: str | int) -> tuple[bool, Any]:
+    if isinstance(batch, Mapping):
+        return (key in batch, batch.get(key))
+    if isinstance(batch, (list, tuple)) and isinstance(key, int):
+        return (-len(batch) <= key < len(batch), batch[key] if -len(batch) <= key < len(batch) else None)
+    if dataclasses.is_dataclass(batch) and isinstance(key, str):
+        return (hasattr(batch, key), getattr(batch, key, None))
+    if isinstance(batch, torch.Tensor) and key == 0:
+        return (True, batch)
+    return (False, None)
+
+
+def _keys(batch: Any) -> list[Any]:
+    if isinstance(batch, Mapping):
+        return list(batch)
+    if isinstance(batch, (list, tuple)):
+        return list(range(len(batch)))
+    if dataclasses.is_dataclass(batch):
+        return [f.name for f in dataclasses.fields(batch)]
+    return []
+
+
+@dataclass
+class RegionCompiles:
+    """What torch.compile did for one region."""
+
+    compiles: int = 0
+    recompiles: int = 0
+    graph_breaks: int = 0
+    compile_s: float = 0.0
+    recompile_reasons: list[str] = field(default_factory=list)
+    break_reasons: list[str] = field(default_factory=list)
+    modes: set[ModeKey] = field(default_factory=set)
+
+
+class CompileTracker:
+    """Attributes dynamo's compiles to the region being called, using torch's own compile callbacks and metrics.
+
+    Compiles during a region's first call in a mode (train/eval, grad, inference) are expected, however many frames
+    that call compiles; any compile in a later call under a known mode is a recompile, with dynamo's
+    ``recompile_reason``.
+
+    Example::
+
+        >>> tracker = CompileTracker()
+        >>> tracker.install()
+        >>> tracker.total_compiles
+        0
+        >>> tracker.remove()
+    """
+
+    OUTSIDE = "(outside regions)"
+    _MAX_REASONS = 5
+
+    def __init__(self) -> None:
+        self.regions: dict[str, RegionCompiles] = {}
+        self.total_s = 0.0
+        self.total_compiles = 0
+        self._current: tuple[str, bool] | None = None
+        self._started: float | None = None
+        self._breaks_before: Counter[str] = Counter()
+        self._last_metric: Any = None
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            handler = torch._dynamo.callback.callback_handler
+            handler.register_start_callback(self._on_start)
+            handler.register_end_callback(self._on_end)
+            self._last_metric = next(reversed(get_compilation_metrics()), None)
+            self._installed = True
+
+    def remove(self) -> None:
+        if self._installed:
+            handler = torch._dynamo.callback.callback_handler
+            handler.remove_start_callback(self._on_start)
+            handler.remove_end_callback(self._on_end)
+            self._installed = False
+
+    @contextmanager
+    def calling(self, name: str, mode: ModeKey) -> Iterator[None]:
+        """Attribute compiles that happen inside the block to region ``name`` running in ``mode``."""
+        stats = self.stats(name)
+        recompiles_before = stats.recompiles
+        outer, self._current = self._current, (name, mode in stats.modes)
+        try:
+            yield
+        finally:
+            self._current = outer
+            stats.modes.add(mode)
+            if stats.recompiles != recompiles_before:  # dynamo records its metrics once the frame is done
+                _extend_capped(stats.recompile_reasons, self._latest_recompile_reasons(), self._MAX_REASONS)
+
+    def stats(self, name: str) -> RegionCompiles:
+        return self.regions.setdefault(name, RegionCompiles())
+
+    @property
+    def total_recompiles(self) -> int:
+        return sum(r.recompiles for r in self.regions.values())
+
+    @property
+    def total_graph_breaks(self) -> int:
+        return sum(r.graph_breaks for r in self.regions.values())
+
+    def _on_start(self, *_: Any) -> None:
+        self._started = time.perf_counter()
+        self._breaks_before = Counter(counters["graph_break"])
+
+    def _on_end(self, *_: Any) -> None:
+        elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
+        self._started = None
+        self.total_s += elapsed
+        self.total_compiles += 1
+        if self._current is None:  # a lazy backward compile or code outside any region: time only
+            self.stats(self.OUTSIDE).compile_s += elapsed
+            return
+        name, mode_seen = self._current
+        stats = self.stats(name)
+        stats.compile_s += elapsed
+        new_breaks = Counter(counters["graph_break"]) - self._breaks_before
+        stats.graph_breaks += sum(new_breaks.values())
+        _extend_capped(stats.break_reasons, new_breaks, self._MAX_REASONS)
+        stats.compiles += 1
+        if mode_seen:
+            stats.recompiles += 1
+
+    def _latest_recompile_reasons(self) -> list[str]:
+        metrics = get_compilation_metrics()
+        # compile ids restart after torch._dynamo.reset(), so find the new entries by identity
+        start = next((i + 1 for i in range(len(metrics) - 1, -1, -1) if metrics[i] is self._last_metric), 0)
+        self._last_metric = metrics[-1] if metrics else None
+        reasons = [m.recompile_reason for m in metrics[start:] if m.recompile_reason]
+        return reasons or ["a guard failed (dynamo recorded no reason; run with TORCH_LOGS=recompiles)"]
+
+
+def explain_graph_break(reason: str) -> str:
+    """A one-line fix for the most common graph-break causes."""
+    text = reason.lower()
+    if "data-dependent" in text or "data dependent" in text or ".item()" in text or "tensor.item" in text:
+        return "data-dependent control flow or .item(): keep values as tensors (torch.where) or move it out"
+    if "print" in text or "logging" in text or "log(" in text:
+        return "printing/logging inside the region: move it out of the compiled module"
+    if "unsupported" in text or "call_function" in text:
+        return "an unsupported Python/library call: move it out of the region or wrap it in torch.compiler.disable"
+    return "see TORCH_LOGS=graph_breaks for the full trace"
+
+
+def _extend_capped(target: list[str], new: Any, cap: int) -> None:
+    for reason in new:
+        if len(target) >= cap:
+            return
+        if reason not in target:
+            target.append(str(reason))
+
+
+def warn_recompile(name: str, stats: RegionCompiles) -> None:
+    """Warn (once per region, the caller ensures) that a region recompiled, with dynamo's reason."""
+    reason = stats.recompile_reasons[-1] if stats.recompile_reasons else "unknown"
+    rank_zero_warn(
+        f"FuseCallback: region {name!r} recompiled ({stats.recompiles}x so far). Reason: {reason}. "
+        "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}."
+    )

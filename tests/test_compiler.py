@@ -1,0 +1,132 @@
+import pytest
+import torch
+from torch import nn
+
+from lightning_fuse.compiler import CompileOptions, RegionPolicy, compile_regions, uncompile_regions
+from lightning_fuse.regions import resolve_regions
+from lightning_fuse.shapes import CompileTracker
+from tests.toy import Net
+
+
+def failing_backend(gm, example_inputs):
+    raise RuntimeError("backend exploded")
+
+
+def wrong_backend(gm, example_inputs):
+    """Compiles to code that is silently wrong: every output is off by one."""
+
+    def run(*args):
+        return [out + 1 if isinstance(out, torch.Tensor) else out for out in gm(*args)]
+
+    return run
+
+
+def compiled(net, backend="eager", **policy):
+    tracker = CompileTracker()
+    tracker.install()
+    regions = resolve_regions(net, "auto")
+    return compile_regions(regions, CompileOptions(backend=backend), tracker, RegionPolicy(**policy)), tracker
+
+
+def test_in_place_compile_keeps_state_dict_keys_class_and_hooks():
+    net = Net()
+    keys = list(net.state_dict())
+    calls = []
+    net.blocks[0].register_forward_hook(lambda *a: calls.append(1))
+    runners, tracker = compiled(net)
+    assert list(net.state_dict()) == keys
+    assert type(net.blocks[0]).__name__ == "Block"
+    net(torch.randn(3, 8))
+    assert calls == [1]
+    assert all(r.is_compiled for r in runners)
+    assert tracker.stats("blocks.0").compiles >= 1 and tracker.total_recompiles == 0
+    uncompile_regions(runners)
+    tracker.remove()
+    assert all(b._compiled_call_impl is None for b in net.blocks)
+
+
+def test_compiled_output_matches_eager():
+    net = Net().eval()
+    x = torch.randn(5, 8)
+    expected = net(x)
+    runners, tracker = compiled(net, backend="aot_eager")
+    torch.testing.assert_close(net(x), expected)
+    tracker.remove()
+
+
+def test_a_failing_backend_falls_back_per_region_with_one_warning():
+    net = Net()
+    x = torch.randn(4, 8)
+    expected = net(x)
+    runners, tracker = compiled(net, backend=failing_backend)
+    with pytest.warns(UserWarning, match=r"region 'blocks.0' falls back to eager.*backend exploded"):
+        out = net(x)
+    torch.testing.assert_close(out, expected)
+    assert [r.fallback_reason is not None for r in runners] == [True, True, True]
+    tracker.remove()
+
+
+def test_a_wrong_compiled_output_is_caught_by_verification():
+    net = Net()
+    x = torch.randn(4, 8)
+    expected = net(x)
+    runners, tracker = compiled(net, backend=wrong_backend)
+    with pytest.warns(UserWarning, match="differs from eager on the first batch"):
+        out = net(x)
+    torch.testing.assert_close(out, expected)
+    assert not any(r.is_compiled for r in runners)
+    tracker.remove()
+
+
+def test_without_verify_a_wrong_backend_goes_unnoticed():
+    net = Net()
+    runners, tracker = compiled(net, backend=wrong_backend, verify=False)
+    x = torch.randn(4, 8)
+    with torch.compiler.set_stance("force_eager"):
+        expected = net(x)
+    assert not torch.allclose(net(x), expected)
+    tracker.remove()
+
+
+def test_a_bug_in_user_code_is_raised_not_hidden():
+    class Broken(nn.Module):
+        def forward(self, x):
+            return x @ torch.ones(3, 3)  # wrong shape for x: a user bug
+
+    holder = nn.Module()
+    holder.blocks = nn.ModuleList([Broken(), Broken()])
+    runners, tracker = compiled(holder)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied|size mismatch|mat1 and mat2"):
+        holder.blocks[0](torch.randn(2, 4))
+    tracker.remove()
+
+
+def test_recompile_storm_is_bounded_then_the_region_runs_eagerly():
+    net = Net()
+    runners, tracker = compiled(net, recompile_limit=2, verify=False)
+    torch._dynamo.config.automatic_dynamic_shapes = False  # force one recompile per new batch size
+    try:
+        with pytest.warns(UserWarning) as record:
+            for batch in range(2, 9):
+                net(torch.randn(batch, 8))
+    finally:
+        torch._dynamo.config.automatic_dynamic_shapes = True
+    messages = " ".join(str(w.message) for w in record)
+    assert "recompiled" in messages and "recompile_limit=2" in messages
+    assert not runners[0].is_compiled
+    assert tracker.stats("blocks.0").recompiles == 3  # the limit, plus the one that crossed it
+    tracker.remove()
+
+
+def test_recompile_limit_dynamic_recompiles_once_with_dynamic_shapes():
+    net = Net()
+    runners, tracker = compiled(net, recompile_limit=1, on_recompile_limit="dynamic", verify=False)
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    try:
+        with pytest.warns(UserWarning, match="dynamic=True"):
+            for batch in range(2, 6):
+                net(torch.randn(batch, 8))
+    finally:
+        torch._dynamo.config.automatic_dynamic_shapes = True
+    assert runners[0].is_compiled
+    tracker.remove()

@@ -1,0 +1,77 @@
+"""Small models and data shared by the tests: a LightningModule whose network has repeated blocks."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 3, classes: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class ToyTask(pl.LightningModule):
+    """A classifier over random features; ``self.model`` holds the network, as FuseCallback expects."""
+
+    def __init__(self, width: int = 16, depth: int = 3, samples: int = 70, batch_size: int = 16) -> None:
+        super().__init__()
+        self.model = Net(width, depth)
+        self.samples = samples
+        self.batch_size = batch_size
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.model(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def _loader(self, seed: int) -> DataLoader:
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(self.samples, 8, generator=g)
+        y = (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()
+        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(0)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(1)
+
+
+def trainer(callbacks=(), **kwargs) -> pl.Trainer:
+    """A quiet CPU trainer for tests."""
+    defaults = dict(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(callbacks=list(callbacks), **defaults)
