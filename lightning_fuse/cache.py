@@ -110,15 +110,18 @@ class CompileCache:
         try:
             with _locked(self.directory):
                 data = path.read_bytes()
-            info = torch.compiler.load_cache_artifacts(data)
+            info = torch.compiler.load_cache_artifacts(data)  # logs and returns None on a bad checksum
+            problem = None if info is not None else "torch rejected them (corrupt, or from another torch/GPU)"
         except Exception as err:  # noqa: BLE001 - a bad artifact must never cost the run
+            problem = f"{type(err).__name__}: {str(err)[:200]}"
+        if problem:
             rank_zero_warn(
-                f"FuseCallback: ignoring the compile cache artifacts at {path} ({type(err).__name__}: "
-                f"{str(err)[:200]}); compiling cold. Delete the file to silence this."
+                f"FuseCallback: ignoring the compile cache artifacts at {path} ({problem}); compiling cold. Delete "
+                "the file to silence this; it is rewritten at the end of this run."
             )
             return False
-        self.loaded = info is not None
-        return self.loaded
+        self.loaded = True
+        return True
 
     def save(self) -> bool:
         """Save this process's compiled artifacts atomically; ``False`` when torch had nothing to save."""

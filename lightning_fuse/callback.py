@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import ExitStack
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +121,8 @@ class FuseCallback(Callback):
         self.plan: Plan | None = None
         self.regions: list[Region] = []
         self.runners: list[CompiledRegion] = []
+        self.fallbacks: dict[str, str] = {}
+        """Regions that ran eagerly after a failure, with the reason (filled as the fit ends)."""
         self.graph: GraphedModule | None = None
         self.cache: CompileCache | None = None
         self._policy = RegionPolicy(verify=verify, recompile_limit=recompile_limit,
@@ -131,8 +134,8 @@ class FuseCallback(Callback):
         self._nominal_batch = 0
         self._step_kind = SKIPPED
         self._step_compiles = 0
-        self._stance: Any = None
-        self._flop_counter: Any = None
+        self._step_context = ExitStack()  # per-step contexts: the eager stance, the FLOP counter
+        self._flops: gpu.StepFlops | None = None
         self._flops_per_batch: float | None = None
         self._peak_flops: float | None = None
         self._items: list[float] = []
@@ -215,12 +218,11 @@ class FuseCallback(Callback):
         size = _batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
         self._step_kind = self._kind_of_step(batch_idx, size)
-        if self._step_kind == EAGER or self._needs_flop_count():
-            self._stance = torch.compiler.set_stance("force_eager")
-        if self._needs_flop_count():
-            self._step_kind = SKIPPED
-            self._flop_counter = gpu.count_step_flops()
-            self._flop_counter.__enter__()
+        if self._step_kind == EAGER:
+            self._step_context.enter_context(torch.compiler.set_stance("force_eager"))
+            if self._peak_flops is not None and self._flops_per_batch is None:
+                self._step_kind = SKIPPED  # counting slows the step: count FLOPs once, on an eager step
+                self._flops = self._step_context.enter_context(gpu.count_step_flops())
         if self.graph is not None:
             self.graph.capture_allowed = self._fit_steps >= 1  # regions compile on step 0, capture after
         if self.options.length_fn is not None and self._step_kind != SKIPPED:
@@ -243,19 +245,11 @@ class FuseCallback(Callback):
             return SKIPPED
         return EAGER if self._schedule.is_eager(batch_idx) else COMPILED
 
-    def _needs_flop_count(self) -> bool:
-        return (
-            self._step_kind == EAGER and self._peak_flops is not None and self._flops_per_batch is None
-            and self._flop_counter is None
-        )  # fmt: skip
-
     def _end_step_context(self) -> None:
-        if self._flop_counter is not None and self._flops_per_batch is None:
-            self._flop_counter.__exit__(None, None, None)
-            self._flops_per_batch = float(self._flop_counter.total) or None
-        if self._stance is not None:
-            self._stance.__exit__(None, None, None)
-            self._stance = None
+        self._step_context.close()
+        if self._flops is not None:
+            self._flops_per_batch = float(self._flops.total) or None
+            self._flops = None
 
     def _warmup_steps(self) -> int:
         if self.options.warmup_steps is not None:
@@ -326,11 +320,10 @@ class FuseCallback(Callback):
 
     def _restore(self) -> None:
         """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
-        if self._stance is not None or self._flop_counter is not None:
-            self._end_step_context()
+        self._end_step_context()
         if self.graph is not None:
             self.graph.uninstall()
-            self.graph = None
+        self.fallbacks.update({r.name: r.fallback_reason for r in self.runners if r.fallback_reason})
         uncompile_regions(self.runners)
         self.runners = []
         self.tracker.remove()

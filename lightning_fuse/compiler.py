@@ -253,12 +253,24 @@ def _compare(out: Any, reference: Any) -> str | None:
     for index, (a, b) in enumerate(zip(got, want)):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.is_floating_point()):
             continue
-        rtol, atol = TOLERANCES.get(b.dtype, (1e-3, 1e-4))
+        rtol, atol = TOLERANCES[_effective_dtype(b)]
         try:
             torch.testing.assert_close(a.detach(), b, rtol=rtol, atol=atol)
         except AssertionError as err:
             return f"output {index}: " + " ".join(str(err).split())[:300]
     return None
+
+
+def _effective_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The precision the math behind ``tensor`` actually ran in: autocast and TF32 lower it below the output's."""
+    if not tensor.is_floating_point() or tensor.dtype not in TOLERANCES:
+        return torch.float32
+    device = tensor.device.type
+    if torch.is_autocast_enabled(device):
+        return max(tensor.dtype, torch.get_autocast_dtype(device), key=lambda d: TOLERANCES[d][0])
+    if tensor.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return torch.float16  # TF32/bf16 matmuls carry about fp16's 10-bit mantissa
+    return tensor.dtype
 
 
 def describe_error(err: BaseException) -> str:

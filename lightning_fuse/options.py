@@ -13,11 +13,14 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin
+
+import torch
 
 from lightning_fuse.compiler import LIMIT_ACTIONS, MODES
 from lightning_fuse.regions import Target, normalize_targets
@@ -57,14 +60,18 @@ class FuseOptions:
         _one_of("cuda_graph", self.cuda_graph, (AUTO, True, False))
         if not (isinstance(self.backend, str) or callable(self.backend)):
             raise TypeError(f"`backend` must be a backend name or a callable, got {type(self.backend).__name__}.")
-        if isinstance(self.backend, str) and not self.backend.strip():
-            raise ValueError("`backend` is an empty string; use 'inductor' (default), 'aot_eager' or 'eager'.")
+        if isinstance(self.backend, str):
+            _check_backend_name(self.backend)
         for name in ("fullgraph", "verify"):
             _bool(name, getattr(self, name))
-        if self.dynamic not in (None, True, False):
-            raise TypeError(f"`dynamic` must be None, True or False, got {self.dynamic!r}.")
+        if not (self.dynamic is None or isinstance(self.dynamic, bool)):
+            raise TypeError(
+                f"`dynamic` must be None, True or False, got {type(self.dynamic).__name__}: {self.dynamic!r}."
+            )
         if self.options is not None and not isinstance(self.options, Mapping):
             raise TypeError(f"`options` must be a dict of inductor options or None, got {type(self.options).__name__}.")
+        if self.options and self.backend == "inductor":
+            _check_inductor_options(self.options)
         if self.options is not None and self.mode not in (AUTO, "default"):
             raise ValueError(
                 f"`mode={self.mode!r}` and `options` cannot be combined (torch.compile refuses both); put the mode's "
@@ -108,6 +115,42 @@ class FuseOptions:
                 "`cuda_graph=True` needs static shapes but `dynamic_dims` declares varying dims. Use one: "
                 "cuda_graph=False to compile with dynamic dims, or dynamic_dims='auto' (batches whose shape differs "
                 "from the captured one, such as a partial last batch, then run without the graph)."
+            )
+
+
+def _check_backend_name(name: str) -> None:
+    """Resolve ``name`` as torch.compile will (registered and entry-point backends), so a typo fails here."""
+    if not name.strip():
+        raise ValueError("`backend` is an empty string; use 'inductor' (default), 'aot_eager' or 'eager'.")
+    try:
+        torch._dynamo.lookup_backend(name)
+    except torch._dynamo.exc.InvalidBackend:
+        close = difflib.get_close_matches(name, torch._dynamo.list_backends(exclude_tags=()), n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"`backend` {name!r} is not a torch.compile backend.{hint} Use 'inductor' (default), 'aot_eager', "
+            "'eager', a name from torch._dynamo.list_backends(), or a callable; register a custom name with "
+            "@torch._dynamo.register_backend before creating the callback."
+        ) from None
+
+
+def _check_inductor_options(options: Mapping[str, Any]) -> None:
+    """The check torch.compile makes on inductor ``options``, made here so a typo fails before fit."""
+    from torch._inductor import config
+
+    known = config.get_config_copy()
+    for key, value in options.items():
+        name = str(key).replace("-", "_")  # torch accepts both spellings
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(
+                f"`options` key {key!r} is not an inductor option.{hint} torch._inductor.list_options() lists them."
+            )
+        expected = config.get_type(name)
+        if get_origin(expected) is None and not isinstance(value, expected):  # generics cannot be checked
+            raise TypeError(
+                f"`options[{key!r}]` must be {expected.__name__}, got {type(value).__name__}: {value!r}."
             )
 
 

@@ -1,0 +1,129 @@
+"""FuseCallback inside a real Trainer on CPU: what gets compiled, same learning, checkpoints, logs."""
+
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_fuse import FuseCallback
+from tests.toy import ToyTask, trainer
+
+CPU_TAGS = {
+    "fuse/speedup", "fuse/step_ms", "fuse/eager_step_ms", "fuse/samples_per_s", "fuse/compile_s",
+    "fuse/recompiles",
+}
+
+
+class CompiledProbe(Callback):
+    """Records which submodules run compiled at the first training batch."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.compiled = sorted(n for n, m in pl_module.named_modules() if m._compiled_call_impl is not None)
+
+
+def fit(callbacks, epochs=2, seed=0, **kwargs):
+    pl.seed_everything(seed, verbose=False)
+    task = ToyTask()
+    t = trainer(callbacks, max_epochs=epochs, **kwargs)
+    t.fit(task)
+    return task, t
+
+
+def test_auto_compiles_exactly_the_repeated_blocks_and_uncompiles_after_fit():
+    probe = CompiledProbe()
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    task, _ = fit([fuse, probe], epochs=1)
+    assert probe.compiled == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+    assert all(m._compiled_call_impl is None for m in task.modules())  # teardown undid it
+
+
+def test_compiled_fit_reaches_the_same_loss_as_eager():
+    eager_task, eager_trainer = fit([], epochs=2)
+    fused_task, fused_trainer = fit([FuseCallback(backend="aot_eager", cache_dir=False)], epochs=2)
+    eager_loss = eager_trainer.callback_metrics["train_loss"]
+    fused_loss = fused_trainer.callback_metrics["train_loss"]
+    torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-4, atol=1e-5)
+    for a, b in zip(eager_task.parameters(), fused_task.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_checkpoint_loads_into_a_plain_model_with_strict(tmp_path):
+    _, t = fit([FuseCallback(backend="aot_eager", cache_dir=False)], epochs=1)
+    path = tmp_path / "fused.ckpt"
+    t.save_checkpoint(path)
+    state = torch.load(path, weights_only=False)["state_dict"]
+    plain = ToyTask()
+    plain.load_state_dict(state, strict=True)
+    assert not any("_orig_mod" in key for key in state)
+    assert set(state) == set(ToyTask().state_dict())
+
+
+def test_each_bad_input_fails_before_the_first_training_step():
+    class StepCounter(Callback):
+        steps = 0
+
+        def on_train_batch_start(self, *args):
+            StepCounter.steps += 1
+
+    with pytest.raises(ValueError, match="'model.blokcs' matches no submodule"):
+        fit([FuseCallback(targets="model.blokcs", backend="eager", cache_dir=False), StepCounter()], epochs=1)
+    with pytest.raises(ValueError, match="`dynamic_dims` names key 'x'"):
+        fit([FuseCallback(dynamic_dims={"x": [0]}, backend="eager", cache_dir=False), StepCounter()], epochs=1)
+    with pytest.raises(ValueError, match="names dim 5"):
+        fit([FuseCallback(dynamic_dims={0: [5]}, backend="eager", cache_dir=False), StepCounter()], epochs=1)
+    assert StepCounter.steps == 0
+    with pytest.raises(ValueError, match="`mode` must be one of .*got 'fastest'"):
+        FuseCallback(mode="fastest")
+    with pytest.raises(TypeError, match="`targets` items must be"):
+        FuseCallback(targets=[3])
+
+
+def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(tmp_path):
+    logger = TensorBoardLogger(tmp_path, name="tb", version=0)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=4)
+    fit([fuse], epochs=2, logger=logger, limit_val_batches=1)
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert CPU_TAGS <= tags
+    for tag in CPU_TAGS:
+        assert [e.step for e in events.Scalars(tag)] == [0, 1], tag
+    for epoch in (0, 1):
+        values = {tag: events.Scalars(tag)[epoch].value for tag in ("fuse/speedup", "fuse/step_ms",
+                                                                     "fuse/eager_step_ms")}
+        assert math.isclose(values["fuse/speedup"], values["fuse/eager_step_ms"] / values["fuse/step_ms"],
+                            rel_tol=1e-5)
+    assert "fuse/gpu_util" not in tags and "fuse/mfu" not in tags  # no GPU here: not logged, not zero
+    assert "fuse/summary" in "".join(events.Tags()["tensors"])  # the summary table, as TensorBoard text
+
+
+def test_eager_window_can_be_turned_off():
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
+    fit([fuse], epochs=1)
+    assert "fuse/speedup" not in fuse.history[0] and "fuse/step_ms" in fuse.history[0]
+
+
+def test_summary_is_printed_once_with_the_plan(caplog):
+    with caplog.at_level("INFO"):
+        fit([FuseCallback(backend="aot_eager", cache_dir=False)], epochs=1)
+    text = caplog.text
+    assert text.count("**FuseCallback** plan") == 1
+    assert "3 region(s)" in text and "| model.blocks.0 |" in text
+
+
+def test_real_inductor_trains_like_eager(tmp_path, recwarn):
+    """One end-to-end run with the real inductor backend (C++ codegen on CPU)."""
+    eager_task, _ = fit([], epochs=1)
+    fuse = FuseCallback(cache_dir=tmp_path, eager_steps=2)
+    fused_task, _ = fit([fuse], epochs=1)
+    assert fuse.tracker.stats("model.blocks.0").compiles >= 1
+    assert fuse.fallbacks == {}
+    assert not [w for w in recwarn if "falls back" in str(w.message)]
+    assert "fuse/step_ms" in fuse.history[0] and "fuse/speedup" in fuse.history[0]
+    for a, b in zip(eager_task.parameters(), fused_task.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

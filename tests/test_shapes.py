@@ -1,0 +1,136 @@
+"""Dynamic dims: partial last batches and varying lengths compile once, not once per shape."""
+
+import dataclasses
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_fuse import FuseCallback
+from lightning_fuse.shapes import DynamicDims
+from tests.toy import ToyTask, trainer
+
+
+def test_partial_last_batch_two_epochs_compile_at_most_twice_per_region():
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    task = ToyTask(samples=70, batch_size=16)  # 4 full batches and one of 6, in train and in validation
+    trainer([fuse], max_epochs=2).fit(task)
+    for name, stats in fuse.tracker.regions.items():
+        assert stats.compiles <= 2, (name, stats)  # one graph in train mode, one in eval mode
+        assert stats.recompiles == 0, (name, stats)
+    assert fuse.history[-1]["fuse/recompiles"] == 0
+
+
+def test_without_dynamic_dims_the_partial_batch_recompiles_and_is_reported():
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims=None)
+    with pytest.warns(UserWarning, match="region 'model.blocks.0' recompiled.*size mismatch"):
+        trainer([fuse], max_epochs=1).fit(ToyTask(samples=70, batch_size=16))
+    assert fuse.tracker.stats("model.blocks.0").recompiles >= 1
+
+
+def test_train_eval_switching_does_not_recompile_each_epoch():
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    trainer([fuse], max_epochs=3).fit(ToyTask(samples=64, batch_size=16))
+    assert fuse.tracker.stats("model.blocks.0").compiles == 2
+    assert fuse.tracker.total_recompiles == 0
+
+
+class TokenBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x):  # (B, T, C)
+        return x + torch.tanh(self.proj(x)).cumsum(1) / x.shape[1]
+
+
+class SequenceTask(pl.LightningModule):
+    """Batches of token ids whose length varies from batch to batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.embed = nn.Embedding(32, 8)
+        self.model.blocks = nn.ModuleList(TokenBlock(8) for _ in range(2))
+        self.model.head = nn.Linear(8, 32)
+
+    def training_step(self, batch, batch_idx):
+        x = self.model.embed(batch["input_ids"])
+        for block in self.model.blocks:
+            x = block(x)
+        return nn.functional.cross_entropy(self.model.head(x).flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        lengths = [5, 9, 7, 12, 6, 10]
+        batches = [{"input_ids": torch.randint(0, 32, (4, t)), "labels": torch.randint(0, 32, (4, t))}
+                   for t in lengths]
+        return DataLoader(batches, batch_size=None)
+
+
+def test_declared_sequence_dim_compiles_once_for_all_lengths():
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims={"input_ids": [0, 1]})
+    trainer([fuse], max_epochs=1).fit(SequenceTask())
+    stats = fuse.tracker.stats("model.blocks.0")
+    assert stats.compiles == 1 and stats.recompiles == 0, stats
+
+
+@dataclasses.dataclass
+class Pair:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_spec_walks_dicts_tuples_and_dataclasses():
+    nested = {"a": (torch.zeros(5, 3), [torch.zeros(5)]), "b": torch.zeros(5, 2)}
+    assert DynamicDims("auto").apply(nested) == {(0, 5)}
+    assert DynamicDims({"y": [0]}).apply(Pair(torch.zeros(3, 2), torch.zeros(4))) == {(0, 4)}
+    assert DynamicDims({1: [-1]}).apply((torch.zeros(2), torch.zeros(3, 7))) == {(1, 7)}
+    assert DynamicDims("auto").apply(nested, partial_possible=False) == set()
+    assert DynamicDims(None).apply(nested) == set()
+
+
+def test_sizes_zero_and_one_are_not_marked():
+    assert DynamicDims({0: [0, 1]}).apply((torch.zeros(1, 4),)) == {(1, 4)}
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "match"),
+    [
+        ([0], TypeError, "must be \"auto\", None or a mapping"),
+        ({"x": "0"}, TypeError, r"dynamic_dims\['x'\]. must be a list of ints"),
+        ({1.5: [0]}, TypeError, "keys must be str or int"),
+        ({"x": [True]}, TypeError, "list of ints"),
+    ],
+)
+def test_bad_specs_fail_at_construction(spec, error, match):
+    with pytest.raises(error, match=match):
+        FuseCallback(dynamic_dims=spec)
+
+
+def test_unknown_key_and_dim_out_of_range_name_the_fix():
+    with pytest.raises(ValueError, match=r"names key 'ids', but the batch \(dict\) has keys \['input_ids'\]"):
+        DynamicDims({"ids": [0]}).apply({"input_ids": torch.zeros(2, 3)})
+    with pytest.raises(ValueError, match=r"names dim 2, but that batch entry has shape \(2, 3\)"):
+        DynamicDims({"input_ids": [2]}).apply({"input_ids": torch.zeros(2, 3)})
+    with pytest.raises(ValueError, match="int indices for tuples"):
+        DynamicDims({3: [0]}).apply((torch.zeros(2),))
+
+
+class _Unsized(Dataset):
+    def __getitem__(self, i):
+        return torch.zeros(2)
+
+
+def test_auto_policy_reads_the_loader():
+    from lightning_fuse.callback import _can_yield_partial_batch
+
+    data = torch.utils.data.TensorDataset(torch.zeros(10, 2))
+    assert _can_yield_partial_batch(DataLoader(data, batch_size=4))
+    assert not _can_yield_partial_batch(DataLoader(data, batch_size=4, drop_last=True))
+    assert not _can_yield_partial_batch(DataLoader(data, batch_size=5))
+    assert _can_yield_partial_batch([DataLoader(data, batch_size=5), DataLoader(data, batch_size=3)])
