@@ -22,6 +22,7 @@ from lightning_fuse.graphs import GraphedModule, graph_target
 from lightning_fuse.metrics import epoch_metrics, summary_table
 from lightning_fuse.options import FuseOptions
 from lightning_fuse.plan import Plan, choose_plan
+from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import Region, Target, format_plan, resolve_regions
 from lightning_fuse.shapes import CompileTracker, DimSpec, _tensors
 from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerSchedule, StepTimer, summarize
@@ -70,7 +71,9 @@ class FuseCallback(Callback):
             Steps that compile, and partial batches, are always kept out.
         eager_steps: Eager reference steps per epoch, spread through it; ``0`` turns the speedup measurement off.
         gpu_sample_hz: NVML sampling rate for GPU utilisation; ``0`` disables it.
-        profile_steps: Reserved for a ``torch.profiler`` window; ``0`` (off) is the only value supported so far.
+        profile_steps: Once per fit, after warmup, profile this many compiled and as many eager steps with
+            ``torch.profiler`` (CUDA only; never timed) and log ``fuse/kernels_per_step``,
+            ``fuse/eager_kernels_per_step`` and ``fuse/gpu_busy_frac``: why the step got faster. ``0``: off.
         length_fn: ``batch -> number of items`` (e.g. tokens) to log ``fuse/items_per_s``.
 
     Raises:
@@ -114,8 +117,6 @@ class FuseCallback(Callback):
             recompile_limit=recompile_limit, on_recompile_limit=on_recompile_limit, warmup_steps=warmup_steps,
             eager_steps=eager_steps, gpu_sample_hz=gpu_sample_hz, profile_steps=profile_steps, length_fn=length_fn,
         )  # fmt: skip
-        if profile_steps:
-            raise ValueError("`profile_steps` is not supported yet; leave it at 0.")
         self.tracker = CompileTracker()
         self.history: list[dict[str, float]] = []
         self.plan: Plan | None = None
@@ -136,6 +137,9 @@ class FuseCallback(Callback):
         self._step_compiles = 0
         self._step_context = ExitStack()  # per-step contexts: the eager stance, the FLOP counter
         self._flops: gpu.StepFlops | None = None
+        self._profiles: dict[str, ProfileWindow] = {}
+        self._profile: ProfileWindow | None = None
+        self._profile_logged = False
         self._flops_per_batch: float | None = None
         self._peak_flops: float | None = None
         self._items: list[float] = []
@@ -172,6 +176,7 @@ class FuseCallback(Callback):
             self.graph = GraphedModule(*graph_target(pl_module))
             self.graph.install()
         self._timer = StepTimer(device)
+        self._profiles = self._make_profiles(device)
         self._start_gpu_metrics(trainer, pl_module, device)
         rank_zero_info(f"FuseCallback plan: {self.plan.describe()}\n{format_plan(self.regions, pl_module)}")
 
@@ -191,6 +196,14 @@ class FuseCallback(Callback):
         config = torch._dynamo.config
         self._saved_recompile_limit = config.recompile_limit
         config.recompile_limit = max(config.recompile_limit, min(256, (self.options.recompile_limit + 1) * regions))
+
+    def _make_profiles(self, device: torch.device) -> dict[str, ProfileWindow]:
+        if not self.options.profile_steps:
+            return {}
+        if device.type != "cuda":
+            rank_zero_info("FuseCallback: `profile_steps` counts GPU kernels and needs a CUDA device; skipped.")
+            return {}
+        return {COMPILED: ProfileWindow(self.options.profile_steps), EAGER: ProfileWindow(self.options.profile_steps)}
 
     def _start_gpu_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule, device: torch.device) -> None:
         if device.type != "cuda":
@@ -218,11 +231,17 @@ class FuseCallback(Callback):
         size = _batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
         self._step_kind = self._kind_of_step(batch_idx, size)
+        self._profile = self._profile_window() if self._step_kind != SKIPPED else None
+        if self._profile is not None:  # profiled steps run compiled, then eager, and are never timed
+            self._step_kind = EAGER if self._profile is self._profiles[EAGER] else COMPILED
         if self._step_kind == EAGER:
             self._step_context.enter_context(torch.compiler.set_stance("force_eager"))
-            if self._peak_flops is not None and self._flops_per_batch is None:
+            if self._peak_flops is not None and self._flops_per_batch is None and self._profile is None:
                 self._step_kind = SKIPPED  # counting slows the step: count FLOPs once, on an eager step
                 self._flops = self._step_context.enter_context(gpu.count_step_flops())
+        if self._profile is not None:
+            self._step_kind = SKIPPED
+            self._profile.step_start()
         if self.graph is not None:
             self.graph.capture_allowed = self._fit_steps >= 1  # regions compile on step 0, capture after
         if self.options.length_fn is not None and self._step_kind != SKIPPED:
@@ -237,6 +256,8 @@ class FuseCallback(Callback):
         captured_now = self.graph is not None and self.graph.captured_during_last_call
         kind = SKIPPED if compiled_now or captured_now else self._step_kind
         self._timer.stop(kind)
+        if self._profile is not None:
+            self._profile.step_end()
         self._end_step_context()
         self._fit_steps += 1
 
@@ -244,6 +265,9 @@ class FuseCallback(Callback):
         if self._fit_steps < self._warmup_steps() or size != self._nominal_batch:
             return SKIPPED
         return EAGER if self._schedule.is_eager(batch_idx) else COMPILED
+
+    def _profile_window(self) -> ProfileWindow | None:
+        return next((w for w in self._profiles.values() if not w.done), None)
 
     def _end_step_context(self) -> None:
         self._step_context.close()
@@ -282,6 +306,7 @@ class FuseCallback(Callback):
         extra = self._sampler.read_and_reset() if self._sampler else {}
         if pl_module.device.type == "cuda":
             extra["peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
+        extra.update(self._kernel_metrics())
         hits, misses = (now - start for now, start in zip(cache_counters(), self._cache_at_start))
         extra.update(cache_hits=hits, cache_misses=misses)
         metrics = epoch_metrics(
@@ -292,6 +317,19 @@ class FuseCallback(Callback):
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.current_epoch)
+
+    def _kernel_metrics(self) -> dict[str, float]:
+        """The profiled kernel counts, once, in the epoch both windows finished."""
+        if self._profile_logged or not self._profiles or not all(w.done for w in self._profiles.values()):
+            return {}
+        self._profile_logged = True
+        compiled, eager = self._profiles[COMPILED].result, self._profiles[EAGER].result
+        return {
+            "kernels_per_step": compiled.kernels_per_step,
+            "eager_kernels_per_step": eager.kernels_per_step,
+            "gpu_busy_frac": compiled.gpu_busy_frac,
+            "eager_gpu_busy_frac": eager.gpu_busy_frac,
+        }
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -321,6 +359,8 @@ class FuseCallback(Callback):
     def _restore(self) -> None:
         """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
         self._end_step_context()
+        for window in self._profiles.values():
+            window.abort()
         if self.graph is not None:
             self.graph.uninstall()
         self.fallbacks.update({r.name: r.fallback_reason for r in self.runners if r.fallback_reason})

@@ -153,22 +153,19 @@ class CompiledRegion:
 
     def _verified_call(self, mode: ModeKey, args: tuple, kwargs: dict) -> Any:
         module = self.region.module
-        if module.training and torch.is_grad_enabled() and _has_active_dropout(module):
-            return self._guarded_call(mode, args, kwargs)  # random in train mode: checked on the first eval call
-        buffers_before = _snapshot_buffers(module)
+        if module.training and torch.is_grad_enabled() and _changes_in_training(module):
+            # dropout draws other random numbers when compiled, and running batch-norm twice would update its
+            # statistics twice: such regions are checked on their first eval call instead
+            return self._guarded_call(mode, args, kwargs)
         out = self._guarded_call(mode, args, kwargs)
         if self.fallback_reason is not None:
             return out
-        buffers_after = _snapshot_buffers(module)
-        _restore_buffers(module, buffers_before)
         with torch.no_grad():
             reference = module.forward(*args, **kwargs)  # not _call_impl: hooks already ran once
-        mismatch = _compare(out, reference)
         self._verified.add(mode)
+        mismatch = _compare(out, reference)
         if mismatch is None:
-            _restore_buffers(module, buffers_after)
             return out
-        _restore_buffers(module, buffers_before)
         self.fall_back(f"its compiled output differs from eager on the first batch ({mismatch})")
         return module._call_impl(*args, **kwargs)
 
@@ -225,23 +222,16 @@ def _stance() -> str:
     return getattr(torch._dynamo.eval_frame._stance, "stance", "default")
 
 
-def _has_active_dropout(module: nn.Module) -> bool:
+def _changes_in_training(module: nn.Module) -> bool:
+    """Whether a training-mode call is random (dropout) or updates state (buffers such as batch-norm statistics)."""
+    if next(module.buffers(), None) is not None:
+        return True
     for sub in module.modules():
         if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
             return True
         if isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
             return True
     return False
-
-
-def _snapshot_buffers(module: nn.Module) -> list[torch.Tensor]:
-    return [b.detach().clone() for b in module.buffers()]
-
-
-def _restore_buffers(module: nn.Module, saved: list[torch.Tensor]) -> None:
-    with torch.no_grad():
-        for buffer, value in zip(module.buffers(), saved):
-            buffer.copy_(value)
 
 
 def _compare(out: Any, reference: Any) -> str | None:

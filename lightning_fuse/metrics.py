@@ -5,7 +5,7 @@ Example::
     >>> from lightning_fuse.timing import EpochTiming
     >>> row = epoch_metrics(EpochTiming(10.0, 25.0, 40, 4), batch_size=32, compile_s=12.0)
     >>> row["fuse/speedup"], row["fuse/break_even_step"]
-    (2.5, 800.0)
+    (2.5, 800)
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ class EagerSchedule:
         >>> schedule = EagerSchedule(eager_steps=4, chunk=2)
         >>> schedule.plan_epoch(steps=20, first=0)
         >>> sorted(schedule.steps)
-        [5, 6, 15, 16]
+        [4, 5, 14, 15]
     """
 
     def __init__(self, eager_steps: int, chunk: int = 2, period: int = 50) -> None:

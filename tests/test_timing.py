@@ -1,0 +1,77 @@
+import time
+
+import pytest
+import torch
+
+from lightning_fuse.metrics import epoch_metrics, summary_table
+from lightning_fuse.profiling import _union_us
+from lightning_fuse.shapes import CompileTracker
+from lightning_fuse.timing import COMPILED, EAGER, EagerSchedule, EpochTiming, StepTimer, summarize
+
+
+def test_schedule_spreads_short_chunks_through_the_epoch():
+    schedule = EagerSchedule(eager_steps=4, chunk=2)
+    schedule.plan_epoch(steps=20, first=0)
+    assert sorted(schedule.steps) == [4, 5, 14, 15]
+    schedule.plan_epoch(steps=100, first=10)
+    assert len(schedule.steps) == 4 and min(schedule.steps) >= 10
+
+
+def test_schedule_keeps_two_thirds_of_a_short_epoch_compiled_and_can_be_off():
+    schedule = EagerSchedule(eager_steps=8)
+    schedule.plan_epoch(steps=9, first=0)
+    assert len(schedule.steps) == 3
+    schedule.plan_epoch(steps=2, first=1)
+    assert schedule.steps == set()
+    off = EagerSchedule(eager_steps=0)
+    off.plan_epoch(steps=100, first=0)
+    assert off.steps == set()
+
+
+def test_schedule_for_an_epoch_of_unknown_length():
+    schedule = EagerSchedule(eager_steps=3, chunk=2, period=50)
+    schedule.plan_epoch(steps=float("inf"), first=5)
+    assert sorted(schedule.steps) == [55, 56, 105]
+
+
+def test_cpu_timer_measures_each_step_by_kind():
+    timer = StepTimer(torch.device("cpu"))
+    timer.start()
+    time.sleep(0.01)
+    timer.stop(COMPILED)
+    timer.start()
+    time.sleep(0.02)
+    timer.stop(EAGER)
+    timer.stop(EAGER)  # a stop without a start is ignored
+    times = timer.collect()
+    assert times[COMPILED][0] == pytest.approx(10, abs=8) and times[EAGER][0] == pytest.approx(20, abs=8)
+    assert timer.collect() == {}
+    timing = summarize(times)
+    assert timing.speedup == pytest.approx(times[EAGER][0] / times[COMPILED][0])
+
+
+def test_epoch_metrics_leave_out_what_was_not_measured():
+    row = epoch_metrics(EpochTiming(None, None, 0, 0), batch_size=8, compile_s=3.0)
+    assert row == {"fuse/compile_s": 3.0, "fuse/recompiles": 0.0}
+    slower = epoch_metrics(EpochTiming(12.0, 10.0, 5, 5), batch_size=8, compile_s=3.0)
+    assert slower["fuse/speedup"] == pytest.approx(10 / 12) and "fuse/break_even_step" not in slower
+    full = epoch_metrics(EpochTiming(10.0, 20.0, 5, 5), 8, 3.0, items_per_batch=800, flops_per_batch=1e12,
+                         peak_flops=1e15)
+    assert full["fuse/samples_per_s"] == pytest.approx(800) and full["fuse/items_per_s"] == pytest.approx(8e4)
+    assert full["fuse/mfu"] == pytest.approx(0.1) and full["fuse/break_even_step"] == 300
+
+
+def test_summary_table_has_a_row_per_epoch_and_region_notes():
+    tracker = CompileTracker()
+    stats = tracker.stats("model.blocks.0")
+    stats.compiles, stats.recompiles = 2, 1
+    stats.recompile_reasons.append("size mismatch at index 0")
+    stats.break_reasons.append("Data-dependent branching")
+    text = summary_table([{"fuse/step_ms": 2.0, "fuse/speedup": 1.5}, {"fuse/mfu": 0.25}], tracker, "plan x")
+    assert "| 0 | 2.00 | - | 1.50x |" in text and "| 25.0 |" in text
+    assert "model.blocks.0 recompiled: size mismatch" in text and "data-dependent control flow" in text
+
+
+def test_kernel_busy_time_is_the_union_of_overlapping_kernels():
+    assert _union_us([(0, 10), (5, 12), (20, 25)]) == 17
+    assert _union_us([]) == 0
