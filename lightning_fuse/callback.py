@@ -163,13 +163,15 @@ class FuseCallback(Callback):
             return
         device = pl_module.device
         self.regions = resolve_regions(pl_module, self.options.targets, self.options.exclude)
-        self.plan = choose_plan(self.options.mode, self.options.cuda_graph, device)
+        self.plan = choose_plan(
+            self.options.mode, self.options.cuda_graph, device, trainer.world_size, self.options.dynamic
+        )
         self._start_cache(trainer, device)
         self._raise_dynamo_recompile_limit(len(self.regions))
         self.tracker.install()
         compile_options = CompileOptions(
             mode=self.plan.compile_mode, backend=self.options.backend, fullgraph=self.options.fullgraph,
-            dynamic=self.options.dynamic, options=dict(self.options.options) if self.options.options else None,
+            dynamic=self.plan.dynamic, options=dict(self.options.options) if self.options.options else None,
         )  # fmt: skip
         self.runners = compile_regions(self.regions, compile_options, self.tracker, self._policy)
         if self.plan.cuda_graph:

@@ -30,21 +30,37 @@ class Plan:
     cuda_graph: bool
     """Capture one CUDA graph over the model's forward and backward."""
     reason: str
+    dynamic: bool | None = None
+    """``dynamic`` for torch.compile: ``False`` under a CUDA graph, whose shapes are static anyway; this also stops
+    dynamo from turning dims dynamic when blocks of one class run at several shapes (a CNN's stages)."""
 
     def describe(self) -> str:
         graph = "on" if self.cuda_graph else "off"
         return f"regions: torch.compile(mode={self.compile_mode or 'default'}); CUDA graph: {graph} ({self.reason})"
 
 
-def choose_plan(mode: str, cuda_graph: bool | str, device: torch.device) -> Plan:
-    """Resolve ``mode="auto"`` and ``cuda_graph="auto"`` for ``device``; explicit settings are kept."""
+def choose_plan(
+    mode: str, cuda_graph: bool | str, device: torch.device, world_size: int = 1, dynamic: bool | None = None
+) -> Plan:
+    """Resolve ``mode="auto"`` and ``cuda_graph="auto"`` for ``device``; explicit settings are kept.
+
+    Raises:
+        ValueError: If ``cuda_graph=True`` is asked for with several processes (DDP/FSDP).
+    """
     compile_mode = None if mode in (AUTO, "default") else mode
     if device.type != "cuda":
-        return Plan(compile_mode, False, "no CUDA device")
+        return Plan(compile_mode, False, "no CUDA device", dynamic)
+    if world_size > 1:
+        if cuda_graph is True:
+            raise ValueError(
+                f"cuda_graph=True runs in a single process, but this run has {world_size} (DDP/FSDP). Use "
+                "cuda_graph='auto' (off in multi-process runs) or False."
+            )
+        return Plan(compile_mode, False, f"{world_size} processes: gradients sync outside any graph", dynamic)
     if compile_mode in ("reduce-overhead", "max-autotune"):
         # torch's own CUDA graphs (cudagraph trees) are already on; a second graph around them cannot be captured
-        return Plan(compile_mode, False, f"mode={mode} uses torch's per-region CUDA graphs")
+        return Plan(compile_mode, False, f"mode={mode} uses torch's per-region CUDA graphs", dynamic)
     if cuda_graph is False:
-        return Plan(compile_mode, False, "cuda_graph=False")
+        return Plan(compile_mode, False, "cuda_graph=False", dynamic)
     reason = "cuda_graph=True" if cuda_graph is True else "auto: launch overhead dominates small models on CUDA"
-    return Plan(compile_mode, True, reason)
+    return Plan(compile_mode, True, reason, False if dynamic is None else dynamic)
