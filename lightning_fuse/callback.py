@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -120,6 +120,7 @@ class FuseCallback(Callback):
         self.tracker = CompileTracker()
         self.history: list[dict[str, float]] = []
         self.plan: Plan | None = None
+        self.resumed_plan: str | None = None  # the plan of the checkpoint this fit resumed from, if any
         self.regions: list[Region] = []
         self.runners: list[CompiledRegion] = []
         self.fallbacks: dict[str, str] = {}
@@ -159,13 +160,17 @@ class FuseCallback(Callback):
     # ------------------------------------------------------------------ fit start: compile
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.runners:  # already compiled in this process (e.g. fit called again): nothing to redo
-            return
         device = pl_module.device
+        self._fit_steps, self._nominal_batch, self._partial_possible = 0, 0, {}
         self.regions = resolve_regions(pl_module, self.options.targets, self.options.exclude)
         self.plan = choose_plan(
             self.options.mode, self.options.cuda_graph, device, trainer.world_size, self.options.dynamic
         )
+        if self.resumed_plan is not None and self.resumed_plan != self.plan.describe():
+            rank_zero_warn(
+                f"FuseCallback: the checkpoint's epochs were measured under plan {self.resumed_plan!r}, this run uses "
+                f"{self.plan.describe()!r}; fuse/* from before and after the resume compare different setups."
+            )
         self._start_cache(trainer, device)
         self._raise_dynamo_recompile_limit(len(self.regions))
         self.tracker.install()
@@ -183,6 +188,7 @@ class FuseCallback(Callback):
         rank_zero_info(f"FuseCallback plan: {self.plan.describe()}\n{format_plan(self.regions, pl_module)}")
 
     def _start_cache(self, trainer: pl.Trainer, device: torch.device) -> None:
+        self._cache_at_start = cache_counters()
         if self.options.cache_dir is False:
             return
         key = cache_key([r.module for r in self.regions], device, [str(self.plan), str(self.options.backend)])
@@ -190,7 +196,6 @@ class FuseCallback(Callback):
         self.cache.activate()
         trainer.strategy.barrier()  # rank zero saved last; everyone reads the same file
         self.cache.load()
-        self._cache_at_start = cache_counters()
 
     def _raise_dynamo_recompile_limit(self, regions: int) -> None:
         # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
@@ -214,7 +219,7 @@ class FuseCallback(Callback):
         self._peak_flops = gpu.peak_flops(device, _compute_dtype(trainer))
         self._flops_per_batch = getattr(pl_module, "flops_per_batch", None)
         if self.options.gpu_sample_hz > 0:
-            self._sampler = gpu.GpuSampler(device.index or 0, hz=self.options.gpu_sample_hz)
+            self._sampler = gpu.GpuSampler(_nvml_index(device), hz=self.options.gpu_sample_hz)
             if not self._sampler.start():
                 self._sampler = None
 
@@ -381,11 +386,13 @@ class FuseCallback(Callback):
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"history": [dict(row) for row in self.history], "plan": self.plan.describe() if self.plan else None}
+        plan = self.plan.describe() if self.plan else self.resumed_plan
+        return {"history": [dict(row) for row in self.history], "plan": plan}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(row) for row in state_dict.get("history", [])]
+        self.resumed_plan = state_dict.get("plan")
 
 
 def _batch_size(batch: Any) -> int:
@@ -404,6 +411,14 @@ def _can_yield_partial_batch(loaders: Any) -> bool:
         if len(dataset) % loader.batch_size and not loader.drop_last:
             return True
     return not found and loaders is not None
+
+
+def _nvml_index(device: torch.device) -> int:
+    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
+    try:
+        return torch.cuda._get_nvml_device_index(device.index or 0)  # noqa: SLF001 - what torch.cuda.utilization uses
+    except Exception:  # noqa: BLE001 - fall back to torch's numbering
+        return device.index or 0
 
 
 def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
