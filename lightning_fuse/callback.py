@@ -143,7 +143,7 @@ class FuseCallback(Callback):
         self._profile_logged = False
         self._flops_per_batch: float | None = None
         self._peak_flops: float | None = None
-        self._items: list[float] = []
+        self._items: list[float | torch.Tensor] = []
         self._cache_at_start = (0, 0)
         self._saved_recompile_limit: int | None = None
         self._partial_possible: dict[str, bool] = {}
@@ -251,8 +251,10 @@ class FuseCallback(Callback):
             self._profile.step_start()
         if self.graph is not None:
             self.graph.capture_allowed = self._fit_steps >= 1  # regions compile on step 0, capture after
-        if self.options.length_fn is not None and self._step_kind != SKIPPED:
-            self._items.append(float(self.options.length_fn(batch)))
+        if self.options.length_fn is not None:
+            items = _count_items(self.options.length_fn, batch)  # every batch, so a bad length_fn fails on the first
+            if self._step_kind != SKIPPED:
+                self._items.append(items)
         self._step_compiles = self.tracker.total_compiles
         self._timer.start()
 
@@ -318,7 +320,7 @@ class FuseCallback(Callback):
         extra.update(cache_hits=hits, cache_misses=misses)
         metrics = epoch_metrics(
             timing, self._nominal_batch, self.tracker.total_s, self.tracker.total_recompiles,
-            items_per_batch=sum(self._items) / len(self._items) if self._items else None,
+            items_per_batch=float(sum(self._items)) / len(self._items) if self._items else None,  # one sync
             flops_per_batch=self._flops_per_batch, peak_flops=self._peak_flops, extra=extra,
         )  # fmt: skip
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
@@ -398,6 +400,23 @@ class FuseCallback(Callback):
 def _batch_size(batch: Any) -> int:
     first = next(_tensors(batch), None)
     return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+
+
+def _count_items(length_fn: Callable[[Any], Any], batch: Any) -> float | torch.Tensor:
+    """``length_fn(batch)``, kept as a tensor if it is one (no host sync per step), or a ``TypeError`` that says what
+    it returned instead."""
+    items = length_fn(batch)
+    if isinstance(items, torch.Tensor) and items.numel() == 1:
+        return items.detach().reshape(()).float()
+    if isinstance(items, (int, float)) and not isinstance(items, bool):
+        return float(items)
+    got = f"a tensor of shape {tuple(items.shape)}" if isinstance(items, torch.Tensor) else (
+        f"{type(items).__name__}: {items!r:.80}"
+    )
+    raise TypeError(
+        "`length_fn` must return the number of items in a batch (an int, a float or a one-element tensor), "
+        f"got {got}. Example: length_fn=lambda batch: batch['attention_mask'].sum()."
+    )
 
 
 def _can_yield_partial_batch(loaders: Any) -> bool:

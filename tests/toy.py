@@ -75,3 +75,28 @@ def trainer(callbacks=(), **kwargs) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(callbacks=list(callbacks), **defaults)
+
+
+class RecordingTask(ToyTask):
+    """ToyTask that records every training loss, and can raise ``fail_with`` at training step ``fail_at``.
+
+    ``fail_at`` counts the steps run by this instance (``len(self.losses)``), so a resumed run counts from 0 too.
+    """
+
+    def __init__(self, *args, fail_at: int | None = None, fail_with: BaseException | None = None, lr: float = 0.05,
+                 **kwargs) -> None:  # fmt: skip
+        super().__init__(*args, **kwargs)
+        self.losses: list[float] = []
+        self.fail_at = fail_at
+        self.fail_with = fail_with
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        if self.fail_at is not None and len(self.losses) == self.fail_at:
+            raise self.fail_with
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -1,0 +1,42 @@
+"""A 2-process CPU DDP fit (gloo) with FuseCallback; each rank writes what it saw to ``OUT/rank<N>.json``.
+
+Run by tests/test_ddp.py as ``python tests/ddp_fit.py OUT CACHE_DIR``. Lightning's DDP launcher starts rank 1 by
+running this same command again, so everything a rank needs comes from the command line.
+"""
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
+
+from lightning_fuse import FuseCallback  # noqa: E402
+from tests.faults import FuseProbe  # noqa: E402
+from tests.toy import RecordingTask, trainer  # noqa: E402
+
+if __name__ == "__main__":
+    out, cache_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    torch.manual_seed(0)
+    task = RecordingTask()
+    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_dir)
+    probe = FuseProbe(fuse)
+    logger = TensorBoardLogger(out, name="tb", version=0)
+    t = trainer([fuse, probe], strategy="ddp", devices=2, max_epochs=2, logger=logger)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        t.fit(task)
+    (out / f"rank{t.global_rank}.json").write_text(json.dumps({
+        "world_size": t.world_size,
+        "losses": task.losses,
+        "compiled_first_step": probe.compiled_per_step[0],
+        "compiles": fuse.tracker.total_compiles,
+        "history_epochs": [row["epoch"] for row in fuse.history],
+        "cache_loaded": fuse.cache.loaded,
+        "cache_warnings": [str(w.message) for w in record if "compile cache" in str(w.message)],
+        "uncompiled_after": all(m._compiled_call_impl is None for m in task.modules()),
+        "param_sum": sum(p.detach().double().sum().item() for p in task.parameters()),
+    }))  # fmt: skip

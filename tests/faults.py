@@ -1,0 +1,83 @@
+"""Helpers for the reliability, resume and DDP tests: probes, a real compile-cache artifact, TensorBoard reads."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import lightning_fuse
+from lightning_fuse import FuseCallback
+from tests.toy import RecordingTask, trainer
+
+PACKAGE = Path(lightning_fuse.__file__).resolve().parent
+BLOCKS = ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+
+
+def raised_by_lightning_fuse(excinfo) -> bool:
+    """Whether the exception was raised by our code (its innermost frame is in the package), not deep in torch."""
+    return Path(str(excinfo.traceback[-1].path)).resolve().is_relative_to(PACKAGE)
+
+
+class FuseProbe(Callback):
+    """Put after a FuseCallback: records what it had compiled and compiled at each training batch and epoch end."""
+
+    def __init__(self, fuse: FuseCallback) -> None:
+        self.fuse = fuse
+        self.compiled_per_step: list[list[str]] = []
+        self.compiles_per_epoch: list[int] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.compiled_per_step.append(sorted(self.fuse.compiled_regions))
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.compiles_per_epoch.append(self.fuse.tracker.total_compiles)
+
+
+def messages(record, text: str) -> list[str]:
+    """The recorded warnings whose message contains ``text``."""
+    return [str(w.message) for w in record if text in str(w.message)]
+
+
+def artifacts_path(cache_root: Path, **fuse_kwargs) -> Path:
+    """Where FuseCallback keeps the toy task's artifacts under ``cache_root``, found by a one-step fit."""
+    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_root, **fuse_kwargs)
+    trainer([fuse], max_steps=1, limit_val_batches=0, num_sanity_val_steps=0).fit(RecordingTask())
+    return fuse.cache.artifacts_path
+
+
+@functools.cache
+def valid_artifacts() -> bytes:
+    """Real mega-cache bytes (``torch.compiler.save_cache_artifacts``) from one tiny inductor compile (~5 s, once)."""
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    scratch = tempfile.mkdtemp(prefix="lightning_fuse_tests_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = scratch  # an empty cache: the compile is cold and saves artifacts
+    try:
+        torch.compile(lambda x: (x * 3).cos() + 1)(torch.randn(4))
+        result = torch.compiler.save_cache_artifacts()
+    finally:
+        if saved is None:
+            os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        torch._dynamo.reset()
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert result is not None, "inductor saved no cache artifacts"
+    return result[0]
+
+
+def scalar_steps(logdir: Path, tag: str) -> list[int]:
+    """The steps at which ``tag`` was written to the TensorBoard event files under ``logdir`` (all of them)."""
+    steps = []
+    for events_file in sorted(logdir.rglob("events.out.tfevents.*")):
+        events = EventAccumulator(str(events_file), size_guidance={"scalars": 0})
+        events.Reload()
+        if tag in events.Tags()["scalars"]:
+            steps += [event.step for event in events.Scalars(tag)]
+    return steps
