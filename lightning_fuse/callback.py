@@ -43,6 +43,9 @@ class FuseCallback(Callback):
     ``fuse/step_ms`` and friends to every logger of the Trainer, with the epoch as the step. At fit end it prints
     a summary, writes it to TensorBoard and saves the compile cache; at teardown the model is eager again.
 
+    On CUDA, ``fuse/peak_mem_gb`` is per epoch: the callback resets torch's (process-wide) peak-memory statistics
+    at each training epoch start.
+
     Args:
         targets: What to compile: ``"auto"`` (the repeated blocks: children of an ``nn.ModuleList``/``Sequential``
             sharing one class; the whole model where there are none), ``"full"`` (every top-level child of the
@@ -191,7 +194,9 @@ class FuseCallback(Callback):
         self._cache_at_start = cache_counters()
         if self.options.cache_dir is False:
             return
-        key = cache_key([r.module for r in self.regions], device, [str(self.plan), str(self.options.backend)])
+        what = (self.plan.compile_mode, self.plan.cuda_graph, self.plan.dynamic, self.options.backend,
+                self.options.fullgraph, sorted((self.options.options or {}).items()))  # fmt: skip
+        key = cache_key([r.module for r in self.regions], device, [repr(what)])
         self.cache = CompileCache(self.options.cache_dir, [key])
         self.cache.activate()
         trainer.strategy.barrier()  # rank zero saved last; everyone reads the same file

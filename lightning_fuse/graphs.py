@@ -110,8 +110,12 @@ class GraphedModule:
 
     def _capture(self, args: tuple) -> None:
         self.module.__dict__.pop("forward", None)  # make_graphed_callables wraps the class forward, not ours
+        buffers = [b.detach().clone() for b in self.module.buffers()]
         try:
             torch.cuda.make_graphed_callables(self.module, args, num_warmup_iters=3)
+            with torch.no_grad():  # its warmup ran real forwards: undo their batch-norm statistics updates
+                for buffer, saved in zip(self.module.buffers(), buffers):
+                    buffer.copy_(saved)
             self._graphed = self.module.forward
             self._signature = _signature(args)
             rank_zero_info(f"FuseCallback: captured one CUDA graph over {self.name!r} forward+backward.")
