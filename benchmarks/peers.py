@@ -49,13 +49,14 @@ for _path in (str(HERE.parent), str(HERE)):  # `recipes`, `lightning_fuse` and `
         sys.path.insert(0, _path)
 
 CORE = ("eager", "compile", "reduce_overhead", "regional", "fuse")
-EXTRA = ("eager_callback", "fuse_graph_only", "fuse_regional_graph", "fuse_full_graph", "fuse_full_autotune_graph")
+EXTRA = ("eager_callback", "eager_callback_no_nvml", "fuse_graph_only", "fuse_regional_graph", "fuse_full_graph", "fuse_full_autotune_graph")
 VARIANTS = CORE + EXTRA
 ALTERNATIVES = ("eager", "compile", "reduce_overhead", "regional")
 SETUP_VARIANTS = ("compile", "reduce_overhead", "regional", "fuse")  # cold + warm setup, small batch only
-NOT_COMPILING = ("eager", "eager_callback", "fuse_graph_only")
+NOT_COMPILING = ("eager", "eager_callback", "eager_callback_no_nvml", "fuse_graph_only")
 # Order of the timed runs of a regime: what the targets need first, in case the budget runs out.
-TIMING_ORDER = ("eager", "fuse", "reduce_overhead", "compile", "regional", "eager_callback", "fuse_graph_only",
+TIMING_ORDER = ("eager", "fuse", "reduce_overhead", "compile", "regional", "eager_callback", "eager_callback_no_nvml",
+                "fuse_graph_only",
                 "fuse_regional_graph", "fuse_full_graph", "fuse_full_autotune_graph")
 DEFAULT_REGIMES = ("resnet:16", "resnet:256", "gpt:8", "gpt:64")
 MODEL_NAMES = {"resnet": "ResNet-18 (CIFAR)", "gpt": "GPT-8L"}

@@ -41,6 +41,7 @@ AUTOTUNE = {"max_autotune": True, "coordinate_descent_tuning": True}
 FUSE_VARIANTS: dict[str, dict[str, Any]] = {
     "fuse": {},  # its defaults: the default plan
     "eager_callback": {"targets": [], "cuda_graph": False},  # no compile, no graph: the callback's own overhead
+    "eager_callback_no_nvml": {"targets": [], "cuda_graph": False, "gpu_sample_hz": 0},  # the same, sampler off
     "fuse_graph_only": {"targets": []},  # one CUDA graph over the eager forward+backward
     "fuse_regional_graph": {"targets": "auto", "cuda_graph": True},
     "fuse_full_graph": {"targets": "full", "cuda_graph": True},
@@ -158,7 +159,7 @@ def apply_variant(
     if variant not in FUSE_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
     settings = dict(FUSE_VARIANTS[variant], cache_dir=str(cache_dir / "fuse"), backend=backend)
-    if variant != "eager_callback":  # every timed step is a fuse step; eager_callback keeps the user's defaults
+    if not variant.startswith("eager_callback"):  # every timed step is a fuse step; eager_callback keeps the user's defaults
         settings["eager_steps"] = eager_steps
     return [FuseCallback(**settings)]
 

@@ -321,6 +321,7 @@ class FuseCallback(Callback):
         if pl_module.device.type == "cuda":
             extra["peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
         extra.update(self._kernel_metrics())
+        extra.update(self._per_rank_utilisation(trainer, pl_module, extra))
         hits, misses = (now - start for now, start in zip(cache_counters(), self._cache_at_start))
         extra.update(cache_hits=hits, cache_misses=misses)
         metrics = epoch_metrics(
@@ -331,6 +332,14 @@ class FuseCallback(Callback):
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.current_epoch)
+
+    def _per_rank_utilisation(self, trainer: pl.Trainer, pl_module: pl.LightningModule, extra: dict[str, float]):
+        """Every rank's GPU utilisation, gathered to rank zero, which alone logs (a collective: all ranks call it)."""
+        if trainer.world_size <= 1 or pl_module.device.type != "cuda":
+            return {}
+        mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=pl_module.device)
+        gathered = trainer.strategy.all_gather(mine).flatten().tolist()
+        return {f"gpu_util_rank{rank}": value for rank, value in enumerate(gathered) if value == value}  # no NaN
 
     def _kernel_metrics(self) -> dict[str, float]:
         """The profiled kernel counts, once, in the epoch both windows finished."""

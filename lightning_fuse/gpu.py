@@ -27,6 +27,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 log = logging.getLogger(__name__)
 
+# NVML (GPM above all) is not safe to call from two threads at once: one lock for every sampler in the process.
+_NVML_CALLS = threading.Lock()
+
 # Output key -> name of the pynvml constant of the GPM metric it reads.
 _GPM_METRICS = {"sm_active": "NVML_GPM_METRIC_SM_UTIL", "tensor_active": "NVML_GPM_METRIC_ANY_TENSOR_UTIL"}
 
@@ -177,6 +180,10 @@ class GpuSampler:
         return {key: _Running() for key in ("gpu_util", "gpu_mem_gb", "sm_clock_mhz", *_GPM_METRICS)}
 
     def _open(self) -> None:
+        with _NVML_CALLS:
+            self._open_unlocked()
+
+    def _open_unlocked(self) -> None:
         if self._nvml is None:
             self._nvml = importlib.import_module("pynvml")
         nvml = self._nvml
@@ -201,6 +208,10 @@ class GpuSampler:
             return False
 
     def _close(self) -> None:
+        with _NVML_CALLS:
+            self._close_unlocked()
+
+    def _close_unlocked(self) -> None:
         nvml = self._nvml
         for sample in self._gpm_samples:
             _quietly(nvml.nvmlGpmSampleFree, sample)
@@ -218,6 +229,10 @@ class GpuSampler:
                 return
 
     def _sample(self) -> None:
+        with _NVML_CALLS:
+            self._sample_unlocked()
+
+    def _sample_unlocked(self) -> None:
         nvml, handle = self._nvml, self._handle
         util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
         mem_gb = nvml.nvmlDeviceGetMemoryInfo(handle).used / 1e9

@@ -107,3 +107,12 @@ def test_plan_table_lists_regions_classes_and_parameter_counts():
     text = format_plan(resolve_regions(task, "auto"), task)
     assert "3 region(s)" in text and "model.blocks.2" in text and "Block" in text
     assert f"{sum(p.numel() for p in task.model.blocks[0].parameters()) / 1e3:.1f}K" in text
+
+
+def test_auto_compiles_the_whole_network_when_blocks_differ_in_shape():
+    from recipes.models import resnet18_cifar
+
+    holder = nn.Module()
+    holder.model = resnet18_cifar()  # 8 BasicBlocks over 4 widths: not interchangeable
+    assert names(resolve_regions(holder, "auto")) == ["model"]
+    assert names(resolve_regions(holder, "BasicBlock"))[:2] == ["model.layer1.0", "model.layer1.1"]

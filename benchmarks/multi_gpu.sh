@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPT-8L recipe with FuseCallback on 2 GPUs: DDP, then FSDP (one FSDP unit per block); one shared compile cache.
+# Usage: bash benchmarks/multi_gpu.sh OUT_DIR     (on a machine with 2 GPUs; results land in OUT_DIR)
+set -uo pipefail
+out=${1:?usage: bash benchmarks/multi_gpu.sh OUT_DIR}
+common=(model=gpt experiment=small_batch trainer.max_epochs=2 trainer.limit_train_batches=100 trainer.limit_val_batches=5
+        fuse.cache_dir="$out/cache")
+for strategy in ddp fsdp; do
+  python recipes/train.py "${common[@]}" trainer=$strategy hydra.run.dir="$out/runs/$strategy" > "$out/$strategy.log" 2>&1
+  echo "$strategy exit code: $?"
+  grep -E "FuseCallback plan|region\(s\)|^\| [0-9]|Error|error:" "$out/$strategy.log" | head -20
+done
+python -m lightning_fuse.report report "$out"/runs/*/tb --format md | tee "$out/report.md"

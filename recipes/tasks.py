@@ -1,0 +1,170 @@
+"""LightningModules of the recipes: image classification and byte-level language modelling.
+
+Each holds its network as ``self.model``. ``FuseCallback`` compiles submodules of ``self.model`` in
+place, never the LightningModule itself, so the loss, the metrics and ``self.log`` stay eager.
+Neither sets ``flops_per_batch`` or ``example_input_array``: the callback counts FLOPs itself.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+
+
+def _warmup_cosine(step: int, warmup_steps: int, total_steps: int, cosine: bool) -> float:
+    """Learning-rate factor: linear warmup over ``warmup_steps``, then cosine decay to 10% (or constant)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if not cosine:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
+
+
+class _Task(L.LightningModule):
+    """Holds ``self.model`` and builds AdamW (fused on CUDA) with an optional warmup + cosine schedule."""
+
+    def __init__(self, net: nn.Module, lr: float, weight_decay: float, warmup_steps: int, cosine: bool) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["net"])
+        self.model = net
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [  # no weight decay on biases and norm weights
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, fused=self.device.type == "cuda")
+        total_steps = self.trainer.estimated_stepping_batches
+        if self.hparams.cosine and math.isinf(total_steps):
+            raise ValueError(
+                "The cosine schedule needs a run of known length: set trainer.max_steps or trainer.max_epochs, "
+                "or model.cosine=false."
+            )
+        schedule = partial(
+            _warmup_cosine,
+            warmup_steps=self.hparams.warmup_steps,
+            total_steps=int(total_steps) if self.hparams.cosine else 0,
+            cosine=self.hparams.cosine,
+        )
+        scheduler = LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class ImageClassifier(_Task):
+    """Classifies images with ``net``; logs cross-entropy loss and accuracy.
+
+    Logged: ``train/loss``, ``train/acc`` each step; ``val/loss``, ``val/acc`` each validation.
+
+    Args:
+        net: a network mapping images ``(B, C, H, W)`` to logits ``(B, num_classes)``; stored as ``self.model``.
+        num_classes: number of classes.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay of matrices and kernels (biases and norms get none).
+        warmup_steps: steps of linear learning-rate warmup.
+        cosine: decay the learning rate to 10% along a cosine after warmup; False keeps it constant.
+
+    Example::
+
+        >>> from recipes.models import resnet18_cifar
+        >>> task = ImageClassifier(resnet18_cifar())
+        >>> type(task.model).__name__
+        'ResNet'
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        num_classes: int = 10,
+        lr: float = 2e-3,
+        weight_decay: float = 0.05,
+        warmup_steps: int = 0,
+        cosine: bool = True,
+    ) -> None:
+        super().__init__(net, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, cosine=cosine)
+        self.train_acc = MulticlassAccuracy(num_classes)
+        self.val_acc = MulticlassAccuracy(num_classes)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, labels = batch
+        logits = self.model(images)
+        loss = F.cross_entropy(logits, labels)
+        self.train_acc(logits, labels)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/acc", self.train_acc)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        logits = self.model(images)
+        self.val_acc(logits, labels)
+        self.log("val/loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
+        self.log("val/acc", self.val_acc, prog_bar=True)
+
+
+class LanguageModel(_Task):
+    """Next-token prediction with ``net``; logs cross-entropy loss and perplexity.
+
+    Logged: ``train/loss`` each step; ``val/loss``, ``val/ppl`` each validation.
+
+    Args:
+        net: a network mapping token ids ``(B, T)`` to logits ``(B, T, V)``; stored as ``self.model``.
+        lr: peak AdamW learning rate.
+        weight_decay: AdamW weight decay of matrices and embeddings (biases and norms get none).
+        warmup_steps: steps of linear learning-rate warmup.
+        cosine: decay the learning rate to 10% along a cosine after warmup; False keeps it constant.
+
+    Raises:
+        ValueError: In ``setup``, if the data module's ``vocab_size`` exceeds the network's.
+
+    Example::
+
+        >>> from recipes.models import GPT
+        >>> task = LanguageModel(GPT(vocab_size=256, max_seq_len=16, n_layer=2, d_model=32, n_head=4))
+        >>> len(task.model.blocks)
+        2
+    """
+
+    def __init__(
+        self,
+        net: nn.Module,
+        lr: float = 6e-4,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 50,
+        cosine: bool = True,
+    ) -> None:
+        super().__init__(net, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, cosine=cosine)
+        self.val_ppl = Perplexity()
+
+    def setup(self, stage: str) -> None:
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)
+        net_vocab = getattr(self.model, "vocab_size", None)
+        if data_vocab is not None and net_vocab is not None and data_vocab > net_vocab:
+            raise ValueError(
+                f"The data has {data_vocab} token ids but model.net.vocab_size={net_vocab}; "
+                f"set model.net.vocab_size>={data_vocab}."
+            )
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        tokens, targets = batch  # (B, T) each: targets are tokens shifted by one
+        logits = self.model(tokens)  # (B, T, V)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        tokens, targets = batch
+        logits = self.model(tokens)
+        self.val_ppl(logits.float(), targets)  # float: perplexity of bf16 logits loses digits
+        self.log("val/loss", F.cross_entropy(logits.flatten(0, 1), targets.flatten()), prog_bar=True, sync_dist=True)
+        self.log("val/ppl", self.val_ppl, prog_bar=True)

@@ -1,0 +1,180 @@
+"""The Hydra recipes: every config composes and builds, every model trains a few steps under every fuse preset,
+sweeps give each job its own logs, and the data is deterministic. CPU only, tiny sizes."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import hydra
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_fuse import FuseCallback
+from recipes.data import ByteWindows, CIFAR10DataModule, StandinImages, TextDataModule, read_corpus
+from recipes.train import auto_precision, instantiate_callbacks, instantiate_logger, register_resolvers, train
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("gpt_mini", "gpt", "resnet18", "mixer")
+FUSE_PRESETS = ("off", "auto", "full", "regional", "cuda_graph", "measure_only")
+EXPERIMENTS = (None, "small_batch", "large_batch")
+DATA_OF_MODEL = {"gpt_mini": "TextDataModule", "gpt": "TextDataModule", "resnet18": "CIFAR10", "mixer": "CIFAR10"}
+BATCH_SIZES = {"gpt_mini": (8, 64), "gpt": (8, 64), "resnet18": (16, 256), "mixer": (16, 256)}
+
+TINY = {  # sizes that keep a training step well under a second on a CPU
+    "gpt_mini": [
+        "model.net.n_layer=2", "model.net.d_model=32", "model.net.n_head=2", "model.net.max_seq_len=16",
+        "data.max_bytes=100000",
+    ],
+    "resnet18": ["data.standin_train_size=16", "data.standin_val_size=8"],
+    "mixer": [
+        "model.net.depth=2", "model.net.dim=32", "model.net.token_dim=16", "model.net.channel_dim=64",
+        "data.standin_train_size=16", "data.standin_val_size=8",
+    ],
+}  # fmt: skip
+SHORT_RUN = [
+    "data.batch_size=4", "trainer.accelerator=cpu", "trainer.max_steps=2", "trainer.limit_val_batches=1",
+    "trainer.log_every_n_steps=1", "+trainer.num_sanity_val_steps=0", "+trainer.enable_progress_bar=false",
+    "+trainer.enable_model_summary=false",
+]  # fmt: skip
+
+
+def compose_train(output_dir: Path, *overrides: str) -> DictConfig:
+    """``configs/train.yaml`` with ``overrides``; ``paths.output_dir`` replaces Hydra's run dir (unset here)."""
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("train", overrides=[f"paths.output_dir={output_dir}", *overrides])
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("fuse", FUSE_PRESETS)
+@pytest.mark.parametrize("model", MODELS)
+def test_every_combination_composes(tmp_path: Path, model: str, fuse: str, experiment: str | None) -> None:
+    overrides = [f"model={model}", f"fuse={fuse}"] + ([f"experiment={experiment}"] if experiment else [])
+    cfg = compose_train(tmp_path, *overrides)
+    resolved = OmegaConf.to_container(cfg, resolve=True)  # every interpolation and resolver works
+    assert DATA_OF_MODEL[model] in resolved["data"]["_target_"]  # the model picked its data
+    assert (resolved["fuse"] is None) == (fuse == "off")
+    if experiment:
+        assert resolved["data"]["batch_size"] == BATCH_SIZES[model][experiment == "large_batch"]
+    assert resolved["trainer"]["precision"] == auto_precision()
+
+
+@pytest.mark.parametrize("logger", ("tensorboard", "none"))
+@pytest.mark.parametrize("trainer", ("default", "cpu", "gpu", "ddp"))
+def test_trainer_and_logger_presets_compose(tmp_path: Path, trainer: str, logger: str) -> None:
+    cfg = compose_train(tmp_path, f"trainer={trainer}", f"logger={logger}")
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    assert resolved["trainer"]["devices"] == (2 if trainer == "ddp" else 1)
+    assert resolved["trainer"]["accelerator"] == {"default": "auto", "cpu": "cpu"}.get(trainer, "gpu")
+    assert (instantiate_logger(cfg) is False) == (logger == "none")  # False, not None: no ./lightning_logs
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_model_and_data_instantiate_at_full_size(tmp_path: Path, model: str) -> None:
+    cfg = compose_train(tmp_path, f"model={model}")
+    task = hydra.utils.instantiate(cfg.model)
+    data = hydra.utils.instantiate(cfg.data)
+    assert isinstance(task.model, torch.nn.Module) and data.batch_size == cfg.data.batch_size
+    if model == "gpt":  # GPT-8L of perf-notes.md, blocks where FuseCallback(targets="auto") finds them
+        assert isinstance(task.model.blocks, torch.nn.ModuleList) and len(task.model.blocks) == 8
+        assert task.model.head.out_features == 8192 and data.seq_len == 256
+
+
+@pytest.mark.parametrize("fuse", FUSE_PRESETS)
+def test_fuse_presets_instantiate(tmp_path: Path, fuse: str) -> None:
+    callbacks = instantiate_callbacks(compose_train(tmp_path, f"fuse={fuse}"))
+    assert [type(c) for c in callbacks] == ([] if fuse == "off" else [FuseCallback])
+
+
+def test_fuse_can_be_removed_and_callbacks_added(tmp_path: Path) -> None:
+    extra = "+callbacks.lr._target_=lightning.pytorch.callbacks.LearningRateMonitor"
+    assert instantiate_callbacks(compose_train(tmp_path, "~fuse")) == []
+    callbacks = instantiate_callbacks(compose_train(tmp_path, extra))
+    assert [type(c).__name__ for c in callbacks] == ["FuseCallback", "LearningRateMonitor"]
+
+
+def test_fuse_auto_lists_every_argument_at_its_default(tmp_path: Path) -> None:
+    fuse = compose_train(tmp_path, "fuse=auto").fuse
+    defaults = {n: p.default for n, p in inspect.signature(FuseCallback).parameters.items()}
+    listed = {k: v for k, v in OmegaConf.to_container(fuse).items() if not k.startswith("_")}
+    assert listed == {**defaults, "exclude": []}  # YAML has no tuples: () is written []
+
+
+@pytest.mark.parametrize("fuse", FUSE_PRESETS)
+@pytest.mark.parametrize("model", ("gpt_mini", "resnet18", "mixer"))
+def test_every_model_trains_under_every_fuse_preset(tmp_path: Path, model: str, fuse: str) -> None:
+    eager_backend = [] if fuse == "off" else ["fuse.backend=eager", "fuse.cache_dir=false"]  # dynamo only: fast
+    cfg = compose_train(tmp_path, f"model={model}", f"fuse={fuse}", *TINY[model], *SHORT_RUN, *eager_backend)
+    trainer = train(cfg)
+    assert trainer.global_step == 2
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_training_is_deterministic(tmp_path: Path) -> None:
+    overrides = ["fuse=off", "logger=none", *TINY["gpt_mini"], *SHORT_RUN]
+    losses = [train(compose_train(tmp_path, *overrides)).callback_metrics["train/loss"] for _ in range(2)]
+    assert losses[0] == losses[1]
+
+
+def test_language_model_too_small_a_vocabulary_says_what_to_do(tmp_path: Path) -> None:
+    cfg = compose_train(tmp_path, "fuse=off", "logger=none", "model.net.vocab_size=128", *TINY["gpt_mini"], *SHORT_RUN)
+    with pytest.raises(ValueError, match="set model.net.vocab_size>=256"):
+        train(cfg)
+
+
+@pytest.mark.inductor
+def test_sweep_gives_each_job_its_own_logs(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "recipes/train.py",
+        "-m",
+        "fuse=off,auto",
+        f"hydra.sweep.dir={tmp_path}",
+        *TINY["gpt_mini"],
+    ]
+    run = subprocess.run(command + SHORT_RUN, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for job in ("0", "1"):
+        assert any((tmp_path / job / "tb").glob("events.out.tfevents.*")), f"job {job} wrote no TensorBoard events"
+        assert (tmp_path / job / "config.yaml").is_file()
+    assert OmegaConf.load(tmp_path / "0" / "config.yaml").fuse is None
+    assert OmegaConf.load(tmp_path / "1" / "config.yaml").fuse.targets == "auto"
+    assert f"lightning-fuse report {(tmp_path / '1' / 'tb').resolve()}" in run.stdout + run.stderr
+
+
+def test_standin_images_are_deterministic_and_learnable() -> None:
+    first, again = StandinImages(64, seed=3), StandinImages(64, seed=3)
+    assert torch.equal(first.images, again.images) and torch.equal(first.labels, again.labels)
+    val = StandinImages(64, seed=3, split=1)
+    assert not torch.equal(first.images, val.images)
+    assert len(first.labels.unique()) == 10
+    image, _ = first[0]
+    assert image.shape == (3, 32, 32) and abs(image.mean().item()) < 1.0  # normalised, like real CIFAR
+
+
+def test_cifar_without_a_copy_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="data.root=null for the synthetic stand-in"):
+        CIFAR10DataModule(root=str(tmp_path)).setup("fit")
+
+
+def test_text_corpus_is_real_deterministic_and_split() -> None:
+    text, files = read_corpus()
+    assert len(text) == 4_000_000 and len(files) >= 20  # the standard library holds well over 4 MB of .py files
+    assert files == sorted(files) and read_corpus()[0] == text
+    assert b"def " in text and b"import " in text
+    data = TextDataModule(max_bytes=200_000, seq_len=32, batch_size=4)
+    data.setup("fit")
+    tokens, targets = data.train_set[5]
+    assert torch.equal(tokens[1:], targets[:-1]) and tokens.max() < TextDataModule.vocab_size
+    assert len(data.train_set) + len(data.val_set) == pytest.approx(200_000 / 32, abs=2)
+
+
+def test_byte_windows_too_short_says_what_to_do() -> None:
+    with pytest.raises(ValueError, match="lower data.seq_len"):
+        ByteWindows(torch.zeros(8, dtype=torch.uint8), seq_len=8)
