@@ -25,13 +25,13 @@ def median(run, metric: str) -> float | None:
 
 def check(label: str, fuse_dir: str, eager_dir: str) -> tuple[str, bool]:
     (fuse,), (eager,) = load_runs([fuse_dir]), load_runs([eager_dir])
-    logged = median(fuse, "fuse/speedup")
-    separate = median(eager, "fuse/step_ms") / median(fuse, "fuse/step_ms")
+    logged = median(fuse, "speedup")
+    separate = median(eager, "step_ms") / median(fuse, "step_ms")
     gap = abs(logged / separate - 1)
     ok = gap <= TOLERANCE
     row = (
-        f"| {label} | {median(fuse, 'fuse/step_ms'):.2f} | {median(fuse, 'fuse/eager_step_ms'):.2f} | "
-        f"{median(eager, 'fuse/step_ms'):.2f} | {logged:.2f}x | {separate:.2f}x | {gap:.1%} | "
+        f"| {label} | {median(fuse, 'step_ms'):.2f} | {median(fuse, 'eager_step_ms'):.2f} | "
+        f"{median(eager, 'step_ms'):.2f} | {logged:.2f}x | {separate:.2f}x | {gap:.1%} | "
         f"{'PASS' if ok else 'FAIL'} |"
     )
     return row, ok

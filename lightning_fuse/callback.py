@@ -242,18 +242,18 @@ class FuseCallback(Callback):
         self._mark_dynamic(batch, "train", trainer.train_dataloader)
         size = _batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
-        self._step_kind = self._kind_of_step(batch_idx, size)
-        self._profile = self._profile_window() if self._step_kind != SKIPPED else None
-        if self._profile is not None:  # profiled steps run compiled, then eager, and are never timed
-            self._step_kind = EAGER if self._profile is self._profiles[EAGER] else COMPILED
-        if self._step_kind == EAGER:
-            self._step_context.enter_context(torch.compiler.set_stance("force_eager"))
-            if self._peak_flops is not None and self._flops_per_batch is None and self._profile is None:
-                self._step_kind = SKIPPED  # counting slows the step: count FLOPs once, on an eager step
-                self._flops = self._step_context.enter_context(gpu.count_step_flops())
-        if self._profile is not None:
-            self._step_kind = SKIPPED
+        warm = self._fit_steps >= self._warmup_steps()
+        eager = warm and self._schedule.is_eager(batch_idx)
+        timed = warm and size == self._nominal_batch and not self._schedule.is_transition(batch_idx)
+        self._profile = self._profile_window() if timed else None
+        if self._profile is not None:  # profiled steps (compiled, then eager) are never timed
+            eager, timed = self._profile is self._profiles[EAGER], False
             self._profile.step_start()
+        if eager:
+            self._step_context.enter_context(torch.compiler.set_stance("force_eager"))
+            if self._needs_flops() and self._profile is None:  # counting slows the step: once, on an eager step
+                self._flops, timed = self._step_context.enter_context(gpu.count_step_flops()), False
+        self._step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.graph is not None:
             self.graph.capture_allowed = self._fit_steps >= 1  # regions compile on step 0, capture after
         if self.options.length_fn is not None:
@@ -275,10 +275,8 @@ class FuseCallback(Callback):
         self._end_step_context()
         self._fit_steps += 1
 
-    def _kind_of_step(self, batch_idx: int, size: int) -> str:
-        if self._fit_steps < self._warmup_steps() or size != self._nominal_batch:
-            return SKIPPED
-        return EAGER if self._schedule.is_eager(batch_idx) else COMPILED
+    def _needs_flops(self) -> bool:
+        return self._peak_flops is not None and self._flops_per_batch is None
 
     def _profile_window(self) -> ProfileWindow | None:
         return next((w for w in self._profiles.values() if not w.done), None)

@@ -104,6 +104,7 @@ class CompiledRegion:
         self._warned_recompile = False
         self._made_dynamic = False
         self._recompiles_allowed = policy.recompile_limit
+        self._installed = False
 
     @property
     def name(self) -> str:
@@ -111,14 +112,16 @@ class CompiledRegion:
 
     @property
     def is_compiled(self) -> bool:
-        return self.fallback_reason is None and self.region.module._compiled_call_impl is self
+        return self.fallback_reason is None and self._installed
 
     def install(self) -> None:
         self.region.module._compiled_call_impl = self
+        self._installed = True
 
     def uninstall(self) -> None:
         if self.region.module._compiled_call_impl is self:
             self.region.module._compiled_call_impl = None
+        self._installed = False
 
     def fall_back(self, reason: str) -> None:
         """Run this region eagerly for the rest of the run, with one warning naming it and why."""

@@ -72,31 +72,39 @@ class GraphedModule:
         self.disabled_reason: str | None = None
         self._graphed: Any = None
         self._signature: Signature | None = None
-        self._eager_forward = module.forward
+        self._inner: Any = None
+        self._capturing = False
 
     def install(self) -> None:
-        self.module.forward = self._forward
+        # Sit where Module.compile sits (``_compiled_call_impl``), outside any compiled region of the module itself,
+        # so the capture decision runs in Python even when the whole module is compiled.
+        self._inner = self.module._compiled_call_impl
+        self.module._compiled_call_impl = self
 
     def uninstall(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        if self.module._compiled_call_impl is self:
+            self.module._compiled_call_impl = self._inner
         self._graphed = None
 
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.captured_during_last_call = False
-        if kwargs or not self._eligible(args):
-            return self._eager_forward(*args, **kwargs)
-        signature = _signature(args)
+        if self._capturing or kwargs or not self._eligible(args):
+            return self._run_inner(*args, **kwargs)
         if self._graphed is None:
-            if not self.capture_allowed or self.disabled_reason:
-                return self._eager_forward(*args)
+            if not self.capture_allowed:
+                return self._run_inner(*args)
             self._capture(args)
             if self._graphed is None:
-                return self._eager_forward(*args)
+                return self._run_inner(*args)
             self.captured_during_last_call = True
-        if signature != self._signature:
-            return self._eager_forward(*args)
+        if _signature(args) != self._signature:
+            return self._run_inner(*args)
         self.replays += 1
         return self._graphed(*args)
+
+    def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
+        """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""
+        return (self._inner or self.module._call_impl)(*args, **kwargs)
 
     def _eligible(self, args: tuple) -> bool:
         return (
@@ -109,17 +117,18 @@ class GraphedModule:
         )
 
     def _capture(self, args: tuple) -> None:
-        self.module.__dict__.pop("forward", None)  # make_graphed_callables wraps the class forward, not ours
         buffers = [b.detach().clone() for b in self.module.buffers()]
+        self._capturing = True  # make_graphed_callables calls the module: those calls must reach the inner module
         try:
             torch.cuda.make_graphed_callables(self.module, args, num_warmup_iters=3)
             with torch.no_grad():  # its warmup ran real forwards: undo their batch-norm statistics updates
                 for buffer, saved in zip(self.module.buffers(), buffers):
                     buffer.copy_(saved)
-            self._graphed = self.module.forward
+            self._graphed = self.module.__dict__.pop("forward")  # it patched forward; we replay it ourselves
             self._signature = _signature(args)
             rank_zero_info(f"FuseCallback: captured one CUDA graph over {self.name!r} forward+backward.")
         except Exception as err:  # noqa: BLE001 - a capture failure must not cost the run
+            self.module.__dict__.pop("forward", None)
             self.disabled_reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
             rank_zero_warn(
                 f"FuseCallback: could not capture a CUDA graph over {self.name!r} ({self.disabled_reason}); it runs "
@@ -127,7 +136,7 @@ class GraphedModule:
                 "forward. Pass cuda_graph=False to silence this."
             )
         finally:
-            self.module.forward = self._forward
+            self._capturing = False
 
 
 def _signature(args: tuple) -> Signature:

@@ -86,7 +86,8 @@ class EagerSchedule:
     Args:
         eager_steps: Eager steps per epoch; ``0`` disables the reference. At most a third of an epoch's timed steps
             run eagerly, so short epochs get fewer.
-        chunk: Consecutive eager steps per visit; the chunks are spread evenly through the epoch.
+        chunk: Consecutive eager steps per visit; the chunks are spread evenly through the epoch. The first step of
+            a chunk, and the first compiled step after it, switch modes (allocator, caches) and are not timed.
         period: Steps between chunks when the epoch length is unknown (an iterable dataset).
 
     Example::
@@ -97,7 +98,7 @@ class EagerSchedule:
         [4, 5, 14, 15]
     """
 
-    def __init__(self, eager_steps: int, chunk: int = 2, period: int = 50) -> None:
+    def __init__(self, eager_steps: int, chunk: int = 3, period: int = 50) -> None:
         self.eager_steps = eager_steps
         self.chunk = chunk
         self.period = period
@@ -124,6 +125,10 @@ class EagerSchedule:
 
     def is_eager(self, batch_idx: int) -> bool:
         return batch_idx in self.steps
+
+    def is_transition(self, batch_idx: int) -> bool:
+        """The first step of an eager chunk, or the first compiled step after one: switching modes, not timed."""
+        return (batch_idx in self.steps) != (batch_idx - 1 in self.steps)
 
     def _fill(self, starts: list[int], count: int) -> None:
         for start in starts:

@@ -26,9 +26,9 @@ class CompiledProbe(Callback):
             self.compiled = sorted(n for n, m in pl_module.named_modules() if m._compiled_call_impl is not None)
 
 
-def fit(callbacks, epochs=2, seed=0, **kwargs):
+def fit(callbacks, epochs=2, seed=0, samples=70, **kwargs):
     pl.seed_everything(seed, verbose=False)
-    task = ToyTask()
+    task = ToyTask(samples=samples)
     t = trainer(callbacks, max_epochs=epochs, **kwargs)
     t.fit(task)
     return task, t
@@ -86,7 +86,7 @@ def test_each_bad_input_fails_before_the_first_training_step():
 def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=4)
-    fit([fuse], epochs=2, logger=logger, limit_val_batches=1)
+    fit([fuse], epochs=2, samples=400, logger=logger, limit_val_batches=1)
     events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -100,6 +100,14 @@ def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(t
                             rel_tol=1e-5)
     assert "fuse/gpu_util" not in tags and "fuse/mfu" not in tags  # no GPU here: not logged, not zero
     assert "fuse/summary" in "".join(events.Tags()["tensors"])  # the summary table, as TensorBoard text
+
+
+def test_eager_steps_switching_modes_are_not_timed():
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=6)
+    fit([fuse], epochs=1, samples=640)  # 40 steps: two chunks of 3 eager steps, the first of each untimed
+    timing = fuse._schedule
+    assert len(timing.steps) == 6 and sum(timing.is_transition(i) for i in range(40)) == 4
+    assert "fuse/speedup" in fuse.history[0]
 
 
 def test_eager_window_can_be_turned_off():

@@ -50,3 +50,48 @@ def test_graph_target_is_the_largest_child_and_cpu_calls_pass_through():
 def test_graph_target_needs_a_child_network():
     with pytest.raises(ValueError, match="cuda_graph needs the LightningModule to hold its network"):
         graph_target(torch.nn.ReLU())
+
+
+def test_graph_dispatch_sits_outside_a_compiled_whole_network(monkeypatch):
+    """The graph target may itself be a compiled region ("full"): capture and replay must still happen."""
+    from lightning_fuse.compiler import CompileOptions, compile_regions, uncompile_regions
+    from lightning_fuse.regions import resolve_regions
+
+    captured, replayed = [], []
+
+    def fake_make_graphed_callables(module, args, num_warmup_iters):
+        module(*args)  # warmup calls go through the module: they must reach the compiled region, not recurse
+        captured.append(torch.compiler.is_compiling())
+
+        def graphed(*a):
+            replayed.append(1)
+            return type(module).forward(module, *a)
+
+        module.forward = graphed
+        return module
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
+    monkeypatch.setattr(GraphedModule, "_eligible", lambda self, args: self.module.training and
+                        torch.is_grad_enabled() and not torch.compiler.is_compiling() and
+                        torch._dynamo.eval_frame._stance.stance != "force_eager")
+    task = ToyTask()
+    runners = compile_regions(resolve_regions(task, "full"), CompileOptions(backend="eager"))
+    graphed = GraphedModule(*graph_target(task))
+    graphed.install()
+    x = torch.randn(4, 8)
+    task.model(x)  # before capture is allowed: the compiled region runs
+    graphed.capture_allowed = True
+    task.model(x)
+    assert captured == [False] and graphed.captured_during_last_call
+    task.model(x)
+    assert graphed.replays == 2 and len(replayed) == 2
+    with torch.compiler.set_stance("force_eager"):
+        task.model(x)
+    task.model(torch.randn(3, 8))  # another shape: the compiled region, not the graph
+    task.model.eval()
+    task.model(x)
+    assert graphed.replays == 2
+    graphed.uninstall()
+    assert task.model._compiled_call_impl is runners[0] and "forward" not in task.model.__dict__
+    uncompile_regions(runners)
+    assert task.model._compiled_call_impl is None
