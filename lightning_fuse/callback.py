@@ -233,6 +233,7 @@ class FuseCallback(Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         first = max(0, self._warmup_steps() - self._fit_steps)
         self._schedule.plan_epoch(trainer.num_training_batches, first)
+        self._timer.reserve(int(min(trainer.num_training_batches, 4096)))
         self._items = []
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)

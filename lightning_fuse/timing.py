@@ -49,6 +49,12 @@ class StepTimer:
         self._free_events: list[torch.cuda.Event] = []
         self._start: object = None
 
+    def reserve(self, steps: int) -> None:
+        """Create the CUDA events of ``steps`` steps now, so no step pays for creating its events."""
+        if self._cuda:
+            missing = 2 * min(steps, 4096) - len(self._free_events)
+            self._free_events += [torch.cuda.Event(enable_timing=True) for _ in range(max(0, missing))]
+
     def start(self) -> None:
         self._start = self._mark()
 
