@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+SLOWER_THAN_EAGER = 0.9
+"""With mode="auto", a plan whose measured speedup falls below this is dropped (margin for measurement noise)."""
+
 
 class FuseCallback(Callback):
     r"""Compile chosen submodules of the LightningModule in place, and log how much faster training got.
@@ -52,7 +55,8 @@ class FuseCallback(Callback):
             LightningModule), dotted-name globs relative to the LightningModule (``"model.blocks.*"``), class names,
             classes, or a list of those. Overlaps compile the outermost module once.
         exclude: Modules to keep eager, in the same forms; an excluded module inside a target splits the target.
-        mode: ``"auto"`` chooses the plan for the device (see :mod:`lightning_fuse.plan`); otherwise a
+        mode: ``"auto"`` chooses the plan for the device (see :mod:`lightning_fuse.plan`), and drops it for eager
+            training if an epoch measures it slower than eager (below 0.9x); otherwise a
             ``torch.compile`` mode: ``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
             ``"max-autotune-no-cudagraphs"``.
         backend: ``torch.compile`` backend, a name or a callable.
@@ -194,8 +198,9 @@ class FuseCallback(Callback):
         self._cache_at_start = cache_counters()
         if self.options.cache_dir is False:
             return
-        what = (self.plan.compile_mode, self.plan.cuda_graph, self.plan.dynamic, self.options.backend,
-                self.options.fullgraph, sorted((self.options.options or {}).items()))  # fmt: skip
+        backend = getattr(self.options.backend, "__qualname__", self.options.backend)  # a callable: by name
+        what = (self.plan.compile_mode, self.plan.cuda_graph, self.plan.dynamic, backend, self.options.fullgraph,
+                sorted((self.options.options or {}).items()))  # fmt: skip
         key = cache_key([r.module for r in self.regions], device, [repr(what)])
         self.cache = CompileCache(self.options.cache_dir, [key])
         self.cache.activate()
@@ -331,6 +336,29 @@ class FuseCallback(Callback):
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.current_epoch)
+        self._drop_plan_if_slower(trainer, timing.speedup)
+
+    def _drop_plan_if_slower(self, trainer: pl.Trainer, speedup: float | None) -> None:
+        """With ``mode="auto"``, a plan measured slower than eager is dropped: the rest of the run trains eagerly.
+
+        Rank zero's measurement decides for every rank, so all ranks run the same code.
+        """
+        if self.options.mode != "auto" or not (self.runners or self.graph is not None):
+            return
+        speedup = trainer.strategy.broadcast(speedup)
+        if speedup is None or speedup >= SLOWER_THAN_EAGER:
+            return
+        rank_zero_warn(
+            f"FuseCallback: the plan ({self.plan.describe()}) measured {speedup:.2f}x of eager this epoch, so the "
+            "rest of the run trains eagerly (mode='auto'). Pass an explicit mode, e.g. mode='default', to keep it."
+        )
+        self.fallbacks.update({r.name: f"the plan measured {speedup:.2f}x of eager" for r in self.runners})
+        if self.graph is not None:
+            self.graph.uninstall()
+            self.graph = None
+        uncompile_regions(self.runners)
+        self.runners = []
+        self.plan = Plan(None, False, f"measured {speedup:.2f}x of eager: eager from epoch {trainer.current_epoch + 1}")
 
     def _per_rank_utilisation(self, trainer: pl.Trainer, pl_module: pl.LightningModule, extra: dict[str, float]):
         """Every rank's GPU utilisation, gathered to rank zero, which alone logs (a collective: all ranks call it)."""

@@ -92,7 +92,7 @@ class EagerSchedule:
     Args:
         eager_steps: Eager steps per epoch; ``0`` disables the reference. At most a third of an epoch's timed steps
             run eagerly, so short epochs get fewer.
-        chunk: Consecutive eager steps per visit; the chunks are spread evenly through the epoch. The first step of
+        chunk: Eager steps per visit (the count is split into count // chunk visits, spread evenly). The first step of
             a chunk, and the first compiled step after it, switch modes (allocator, caches) and are not timed.
         period: Steps between chunks when the epoch length is unknown (an iterable dataset).
 
@@ -113,21 +113,17 @@ class EagerSchedule:
     def plan_epoch(self, steps: int | float, first: int) -> None:
         """Plan the eager steps of an epoch of ``steps`` batches whose timed steps start at batch ``first``."""
         self.steps = set()
-        if self.eager_steps <= 0:
+        count = self.eager_steps if math.isinf(steps) else min(self.eager_steps, (int(steps) - first) // 3)
+        if count < 2:  # a lone eager step only switches modes: nothing to time
             return
+        chunks = max(1, count // self.chunk)
+        size = count // chunks
         if math.isinf(steps):
-            chunks = math.ceil(self.eager_steps / self.chunk)
             starts = [first + self.period * (k + 1) for k in range(chunks)]
-            self._fill(starts, self.eager_steps)
-            return
-        span = int(steps) - first
-        count = min(self.eager_steps, span // 3)
-        if count <= 0:
-            return
-        chunks = math.ceil(count / self.chunk)
-        spacing = span / chunks
-        starts = [first + int(spacing * (k + 0.5)) - self.chunk // 2 for k in range(chunks)]
-        self._fill([max(first, s) for s in starts], count)
+        else:
+            spacing = (int(steps) - first) / chunks
+            starts = [max(first, first + int(spacing * (k + 0.5)) - size // 2) for k in range(chunks)]
+        self.steps = {start + offset for start in starts for offset in range(size)}
 
     def is_eager(self, batch_idx: int) -> bool:
         return batch_idx in self.steps
@@ -135,12 +131,6 @@ class EagerSchedule:
     def is_transition(self, batch_idx: int) -> bool:
         """The first step of an eager chunk, or the first compiled step after one: switching modes, not timed."""
         return (batch_idx in self.steps) != (batch_idx - 1 in self.steps)
-
-    def _fill(self, starts: list[int], count: int) -> None:
-        for start in starts:
-            for offset in range(self.chunk):
-                if len(self.steps) < count:
-                    self.steps.add(start + offset)
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """FuseCallback inside a real Trainer on CPU: what gets compiled, same learning, checkpoints, logs."""
 
 import math
+import time
 
 import lightning.pytorch as pl
 import pytest
@@ -110,6 +111,31 @@ def test_eager_steps_switching_modes_are_not_timed():
     assert "fuse/speedup" in fuse.history[0]
 
 
+def slow_backend(gm, example_inputs):
+    """A compiler whose code is right but slow: every call sleeps 3 ms."""
+
+    def run(*args):
+        time.sleep(0.003)
+        return gm(*args)
+
+    return run
+
+
+def test_auto_mode_drops_a_plan_measured_slower_than_eager():
+    fuse = FuseCallback(backend=slow_backend, cache_dir=False, eager_steps=6)
+    with pytest.warns(UserWarning, match="measured 0.*x of eager this epoch, so the rest of the run trains eagerly"):
+        task, _ = fit([fuse], epochs=2, samples=640)
+    assert fuse.history[0]["fuse/speedup"] < 0.9
+    assert "measured" in fuse.plan.reason and not fuse.plan.cuda_graph
+    assert set(fuse.fallbacks) == {"model.blocks.0", "model.blocks.1", "model.blocks.2"}
+
+
+def test_an_explicit_mode_keeps_a_slow_plan():
+    fuse = FuseCallback(backend=slow_backend, mode="default", cache_dir=False, eager_steps=6)
+    fit([fuse], epochs=1, samples=320)
+    assert fuse.history[0]["fuse/speedup"] < 0.9 and fuse.fallbacks == {}
+
+
 def test_eager_window_can_be_turned_off():
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
     fit([fuse], epochs=1)
@@ -126,9 +152,9 @@ def test_summary_is_printed_once_with_the_plan(caplog):
 
 def test_real_inductor_trains_like_eager(tmp_path, recwarn):
     """One end-to-end run with the real inductor backend (C++ codegen on CPU)."""
-    eager_task, _ = fit([], epochs=1)
-    fuse = FuseCallback(cache_dir=tmp_path, eager_steps=2)
-    fused_task, _ = fit([fuse], epochs=1)
+    eager_task, _ = fit([], epochs=1, samples=320)
+    fuse = FuseCallback(cache_dir=tmp_path, eager_steps=4)
+    fused_task, _ = fit([fuse], epochs=1, samples=320)
     assert fuse.tracker.stats("model.blocks.0").compiles >= 1
     assert fuse.fallbacks == {}
     assert not [w for w in recwarn if "falls back" in str(w.message)]

@@ -23,6 +23,8 @@ def test_schedule_keeps_two_thirds_of_a_short_epoch_compiled_and_can_be_off():
     assert len(schedule.steps) == 3
     schedule.plan_epoch(steps=2, first=1)
     assert schedule.steps == set()
+    schedule.plan_epoch(steps=5, first=0)  # room for one eager step only: it would only switch modes
+    assert schedule.steps == set()
     off = EagerSchedule(eager_steps=0)
     off.plan_epoch(steps=100, first=0)
     assert off.steps == set()
@@ -31,7 +33,7 @@ def test_schedule_keeps_two_thirds_of_a_short_epoch_compiled_and_can_be_off():
 def test_schedule_for_an_epoch_of_unknown_length():
     schedule = EagerSchedule(eager_steps=3, chunk=2, period=50)
     schedule.plan_epoch(steps=float("inf"), first=5)
-    assert sorted(schedule.steps) == [55, 56, 105]
+    assert sorted(schedule.steps) == [55, 56, 57]
 
 
 def test_cpu_timer_measures_each_step_by_kind():
