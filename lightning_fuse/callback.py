@@ -327,7 +327,7 @@ class FuseCallback(Callback):
         extra.update(self._kernel_metrics())
         extra.update(self._per_rank_utilisation(trainer, pl_module, extra))
         hits, misses = (now - start for now, start in zip(cache_counters(), self._cache_at_start))
-        extra.update(cache_hits=hits, cache_misses=misses)
+        extra.update(cache_hits=hits, cache_misses=misses, graph_breaks=self.tracker.total_graph_breaks)
         metrics = epoch_metrics(
             timing, self._nominal_batch, self.tracker.total_s, self.tracker.total_recompiles,
             items_per_batch=float(sum(self._items)) / len(self._items) if self._items else None,  # one sync

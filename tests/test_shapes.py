@@ -134,3 +134,31 @@ def test_auto_policy_reads_the_loader():
     assert not _can_yield_partial_batch(DataLoader(data, batch_size=4, drop_last=True))
     assert not _can_yield_partial_batch(DataLoader(data, batch_size=5))
     assert _can_yield_partial_batch([DataLoader(data, batch_size=5), DataLoader(data, batch_size=3)])
+
+
+class BreakingBlock(nn.Module):
+    """Data-dependent Python control flow: dynamo must break the graph here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.proj(x)
+        if y.sum().item() > 0:
+            return y.relu()
+        return y
+
+
+def test_graph_breaks_are_counted_per_region_logged_and_explained(caplog):
+    task = ToyTask(samples=64)
+    task.model.blocks = nn.ModuleList(BreakingBlock() for _ in range(2))
+    task.model.embed = nn.Linear(8, 8)
+    task.model.head = nn.Linear(8, 4)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    with caplog.at_level("INFO"):
+        trainer([fuse], max_epochs=1).fit(task)
+    stats = fuse.tracker.stats("model.blocks.0")
+    assert stats.graph_breaks >= 1 and stats.break_reasons
+    assert fuse.history[0]["fuse/graph_breaks"] >= 1
+    assert "model.blocks.0 graph break" in caplog.text and "fix:" in caplog.text
