@@ -289,8 +289,9 @@ def _extend_capped(target: list[str], new: Any, cap: int) -> None:
     for reason in new:
         if len(target) >= cap:
             return
+        reason = " ".join(str(reason).split())  # one line in the summary table
         if reason not in target:
-            target.append(str(reason))
+            target.append(reason)
 
 
 def warn_recompile(name: str, stats: RegionCompiles) -> None:
