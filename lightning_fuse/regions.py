@@ -69,12 +69,14 @@ def normalize_targets(value: Target | Sequence[Target], argument: str) -> tuple[
     return tuple(items)
 
 
-def resolve_regions(root: nn.Module, targets: Target | Sequence[Target], exclude: Sequence[Target] = ()) -> list[Region]:
+def resolve_regions(
+    root: nn.Module, targets: Target | Sequence[Target], exclude: Target | Sequence[Target] = ()
+) -> list[Region]:
     """Resolve ``targets`` minus ``exclude`` on ``root`` into non-overlapping regions, outermost first.
 
     ``"auto"`` selects repeated blocks (children of an ``nn.ModuleList``/``nn.Sequential`` that share one class) when
-    they are all alike (same parameter shapes), and falls back to ``"full"`` otherwise; ``"full"`` selects every top-level child that holds parameters.
-    Overlapping matches keep the outermost module. An excluded module inside a selected one splits the selected
+    they are all alike (same parameter shapes), and falls back to ``"full"`` otherwise; ``"full"`` selects every
+    top-level child that holds parameters. Overlapping matches keep the outermost module. An excluded module inside a selected one splits the selected
     module into its remaining children.
 
     Raises:
