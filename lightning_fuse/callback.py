@@ -11,20 +11,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_fuse import gpu
 from lightning_fuse.cache import CompileCache, cache_counters, cache_key
 from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, compile_regions, uncompile_regions
 from lightning_fuse.graphs import GraphedModule, graph_target
-from lightning_fuse.metrics import epoch_metrics, summary_table
+from lightning_fuse.metrics import count_items, epoch_metrics, summary_table
 from lightning_fuse.options import FuseOptions
 from lightning_fuse.plan import Plan, choose_plan
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import Region, Target, format_plan, resolve_regions
-from lightning_fuse.shapes import CompileTracker, DimSpec, _tensors
+from lightning_fuse.shapes import CompileTracker, DimSpec, batch_size, can_yield_partial_batch
 from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerSchedule, StepTimer, summarize
 
 if TYPE_CHECKING:
@@ -226,10 +224,10 @@ class FuseCallback(Callback):
         if device.type != "cuda":
             rank_zero_info("FuseCallback: no CUDA device, so GPU utilisation, MFU and peak memory are not measured.")
             return
-        self._peak_flops = gpu.peak_flops(device, _compute_dtype(trainer))
+        self._peak_flops = gpu.peak_flops(device, gpu.compute_dtype(str(trainer.precision)))
         self._flops_per_batch = getattr(pl_module, "flops_per_batch", None)
         if self.options.gpu_sample_hz > 0:
-            self._sampler = gpu.GpuSampler(_nvml_index(device), hz=self.options.gpu_sample_hz)
+            self._sampler = gpu.GpuSampler(gpu.nvml_index(device), hz=self.options.gpu_sample_hz)
             if not self._sampler.start():
                 self._sampler = None
 
@@ -246,7 +244,7 @@ class FuseCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         self._mark_dynamic(batch, "train", trainer.train_dataloader)
-        size = _batch_size(batch)
+        size = batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
         warm = self._fit_steps >= self._warmup_steps()
         eager = warm and self._schedule.is_eager(batch_idx)
@@ -263,7 +261,7 @@ class FuseCallback(Callback):
         if self.graph is not None:
             self.graph.capture_allowed = self._fit_steps >= 1  # regions compile on step 0, capture after
         if self.options.length_fn is not None:
-            items = _count_items(self.options.length_fn, batch)  # every batch, so a bad length_fn fails on the first
+            items = count_items(self.options.length_fn, batch)  # every batch, so a bad length_fn fails on the first
             if self._step_kind != SKIPPED:
                 self._items.append(items)
         self._step_compiles = self.tracker.total_compiles
@@ -312,7 +310,7 @@ class FuseCallback(Callback):
         if stage not in self._partial_possible:
             # A CUDA graph needs static shapes: odd batches then run without it instead of going dynamic.
             static = self.plan is not None and self.plan.cuda_graph
-            self._partial_possible[stage] = not static and _can_yield_partial_batch(loaders)
+            self._partial_possible[stage] = not static and can_yield_partial_batch(loaders)
         self._policy.dynamic_sizes = self.options.dims.apply(batch, self._partial_possible[stage])
 
     # ------------------------------------------------------------------ epoch end: report
@@ -436,55 +434,3 @@ class FuseCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(row) for row in state_dict.get("history", [])]
         self.resumed_plan = state_dict.get("plan")
-
-
-def _batch_size(batch: Any) -> int:
-    first = next(_tensors(batch), None)
-    return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
-
-
-def _count_items(length_fn: Callable[[Any], Any], batch: Any) -> float | torch.Tensor:
-    """``length_fn(batch)``, kept as a tensor if it is one (no host sync per step), or a ``TypeError`` that says what
-    it returned instead."""
-    items = length_fn(batch)
-    if isinstance(items, torch.Tensor) and items.numel() == 1:
-        return items.detach().reshape(()).float()
-    if isinstance(items, (int, float)) and not isinstance(items, bool):
-        return float(items)
-    got = f"a tensor of shape {tuple(items.shape)}" if isinstance(items, torch.Tensor) else (
-        f"{type(items).__name__}: {items!r:.80}"
-    )
-    raise TypeError(
-        "`length_fn` must return the number of items in a batch (an int, a float or a one-element tensor), "
-        f"got {got}. Example: length_fn=lambda batch: batch['attention_mask'].sum()."
-    )
-
-
-def _can_yield_partial_batch(loaders: Any) -> bool:
-    """Whether any of ``loaders`` (a DataLoader or a collection of them) can yield a partial last batch."""
-    found = []
-    apply_to_collection(loaders, DataLoader, found.append)
-    for loader in found:
-        dataset = loader.dataset
-        if loader.batch_size is None or not hasattr(dataset, "__len__"):
-            return True  # a batch sampler or an iterable dataset: assume it can
-        if len(dataset) % loader.batch_size and not loader.drop_last:
-            return True
-    return not found and loaders is not None
-
-
-def _nvml_index(device: torch.device) -> int:
-    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
-    try:
-        return torch.cuda._get_nvml_device_index(device.index or 0)  # noqa: SLF001 - what torch.cuda.utilization uses
-    except Exception:  # noqa: BLE001 - fall back to torch's numbering
-        return device.index or 0
-
-
-def _compute_dtype(trainer: pl.Trainer) -> torch.dtype:
-    precision = str(trainer.precision)
-    if "bf16" in precision:
-        return torch.bfloat16
-    if "16" in precision:
-        return torch.float16
-    return torch.float32

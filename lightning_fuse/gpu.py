@@ -401,3 +401,20 @@ def _tolerant(op: Any, formula: Callable[..., int], uncounted: set[str]) -> Call
             return 0
 
     return count
+
+
+def nvml_index(device: torch.device) -> int:
+    """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
+    try:
+        return torch.cuda._get_nvml_device_index(device.index or 0)  # noqa: SLF001 - what torch.cuda.utilization uses
+    except Exception:  # noqa: BLE001 - fall back to torch's numbering
+        return device.index or 0
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype matmuls run in under a Lightning ``precision`` setting (for the peak FLOPs of MFU)."""
+    if "bf16" in precision:
+        return torch.bfloat16
+    if "16" in precision:
+        return torch.float16
+    return torch.float32

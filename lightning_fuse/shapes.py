@@ -21,7 +21,9 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch._dynamo.utils import counters, get_compilation_metrics
+from torch.utils.data import DataLoader
 
 AUTO = "auto"
 DimSpec = Mapping[str | int, Sequence[int]]
@@ -86,6 +88,25 @@ class DynamicDims:
                 f"`dynamic_dims[{key!r}]` names dim {dim}, but that batch entry has shape {tuple(tensor.shape)} "
                 f"({tensor.dim()} dims). Use a dim in [0, {tensor.dim() - 1}]."
             )
+
+
+def batch_size(batch: Any) -> int:
+    """Dim 0 of the first tensor in the batch (1 for a batch without tensors)."""
+    first = next(_tensors(batch), None)
+    return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+
+
+def can_yield_partial_batch(loaders: Any) -> bool:
+    """Whether any of ``loaders`` (a DataLoader or a collection of them) can yield a partial last batch."""
+    found = []
+    apply_to_collection(loaders, DataLoader, found.append)
+    for loader in found:
+        dataset = loader.dataset
+        if loader.batch_size is None or not hasattr(dataset, "__len__"):
+            return True  # a batch sampler or an iterable dataset: assume it can
+        if len(dataset) % loader.batch_size and not loader.drop_last:
+            return True
+    return not found and loaders is not None
 
 
 def mark_region_inputs(args: Sequence[Any], sizes: set[tuple[int, int]]) -> None:

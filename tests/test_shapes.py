@@ -127,13 +127,13 @@ class _Unsized(Dataset):
 
 
 def test_auto_policy_reads_the_loader():
-    from lightning_fuse.callback import _can_yield_partial_batch
+    from lightning_fuse.shapes import can_yield_partial_batch
 
     data = torch.utils.data.TensorDataset(torch.zeros(10, 2))
-    assert _can_yield_partial_batch(DataLoader(data, batch_size=4))
-    assert not _can_yield_partial_batch(DataLoader(data, batch_size=4, drop_last=True))
-    assert not _can_yield_partial_batch(DataLoader(data, batch_size=5))
-    assert _can_yield_partial_batch([DataLoader(data, batch_size=5), DataLoader(data, batch_size=3)])
+    assert can_yield_partial_batch(DataLoader(data, batch_size=4))
+    assert not can_yield_partial_batch(DataLoader(data, batch_size=4, drop_last=True))
+    assert not can_yield_partial_batch(DataLoader(data, batch_size=5))
+    assert can_yield_partial_batch([DataLoader(data, batch_size=5), DataLoader(data, batch_size=3)])
 
 
 class BreakingBlock(nn.Module):
