@@ -17,7 +17,7 @@ from lightning_fuse import gpu
 from lightning_fuse.cache import CompileCache, cache_counters, cache_key
 from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, compile_regions, uncompile_regions
 from lightning_fuse.graphs import GraphedModule, graph_target
-from lightning_fuse.metrics import count_items, epoch_metrics, summary_table
+from lightning_fuse.metrics import count_items, epoch_metrics, per_rank, summary_table
 from lightning_fuse.options import FuseOptions
 from lightning_fuse.plan import Plan, choose_plan
 from lightning_fuse.profiling import ProfileWindow
@@ -363,8 +363,7 @@ class FuseCallback(Callback):
         if trainer.world_size <= 1 or pl_module.device.type != "cuda":
             return {}
         mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=pl_module.device)
-        gathered = trainer.strategy.all_gather(mine).flatten().tolist()
-        return {f"gpu_util_rank{rank}": value for rank, value in enumerate(gathered) if value == value}  # no NaN
+        return per_rank("gpu_util", trainer.strategy.all_gather(mine).flatten().tolist())
 
     def _kernel_metrics(self) -> dict[str, float]:
         """The profiled kernel counts, once, in the epoch both windows finished."""

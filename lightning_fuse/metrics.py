@@ -54,6 +54,17 @@ def epoch_metrics(
     return row
 
 
+def per_rank(name: str, values: Sequence[float]) -> dict[str, float]:
+    """``{name}_rank<r>`` for every rank that measured a value (NaN: that rank had nothing to report).
+
+    Example::
+
+        >>> per_rank("gpu_util", [41.0, float("nan"), 38.5])
+        {'gpu_util_rank0': 41.0, 'gpu_util_rank2': 38.5}
+    """
+    return {f"{name}_rank{rank}": value for rank, value in enumerate(values) if not math.isnan(value)}
+
+
 def summary_table(history: Sequence[Mapping[str, float]], tracker: CompileTracker, plan: str) -> str:
     """A markdown summary of the run: the plan, one line per epoch, and what torch.compile did per region."""
     lines = [f"**FuseCallback** plan: {plan}", "", _epoch_table(history), "", _region_table(tracker)]

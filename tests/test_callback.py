@@ -161,3 +161,4 @@ def test_real_inductor_trains_like_eager(tmp_path, recwarn):
     assert "fuse/step_ms" in fuse.history[0] and "fuse/speedup" in fuse.history[0]
     for a, b in zip(eager_task.parameters(), fused_task.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
