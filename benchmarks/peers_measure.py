@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.gpu import GpuSampler
+from lightning_fuse.gpu import GpuSampler, nvml_index
 from recipes.models import GPT, resnet18_cifar
 from recipes.tasks import ImageClassifier, LanguageModel
 
@@ -159,7 +159,8 @@ def apply_variant(
     if variant not in FUSE_VARIANTS:
         raise ValueError(f"unknown variant {variant!r}")
     settings = dict(FUSE_VARIANTS[variant], cache_dir=str(cache_dir / "fuse"), backend=backend)
-    if not variant.startswith("eager_callback"):  # every timed step is a fuse step; eager_callback keeps the user's defaults
+    # every timed step is a fuse step; eager_callback* keep the user's defaults (the overhead a user pays)
+    if not variant.startswith("eager_callback"):
         settings["eager_steps"] = eager_steps
     return [FuseCallback(**settings)]
 
@@ -215,7 +216,7 @@ class StepClock(pl.Callback):
         if self.cuda:  # created up front: nothing but event.record() happens inside a step
             self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2 * (warmup + steps) + 2)]
             if sample_gpu:
-                self._sampler = GpuSampler(_nvml_index(), hz=10.0)
+                self._sampler = GpuSampler(nvml_index(torch.device("cuda", torch.cuda.current_device())), hz=10.0)
 
     def _mark(self) -> Any:
         if not self.cuda:
@@ -304,14 +305,6 @@ def _fuse_info(cb: FuseCallback) -> dict[str, Any]:
         }
     except Exception as err:  # noqa: BLE001
         return {"error": describe_error(err)}
-
-
-def _nvml_index() -> int:
-    index = torch.cuda.current_device()
-    try:  # NVML numbers every GPU of the host and ignores CUDA_VISIBLE_DEVICES
-        return int(torch.cuda._get_nvml_device_index(index))
-    except Exception:
-        return index
 
 
 def _median(values: list[float]) -> float | None:

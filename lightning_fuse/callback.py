@@ -350,12 +350,10 @@ class FuseCallback(Callback):
             f"FuseCallback: the plan ({self.plan.describe()}) measured {speedup:.2f}x of eager this epoch, so the "
             "rest of the run trains eagerly (mode='auto'). Pass an explicit mode, e.g. mode='default', to keep it."
         )
-        self.fallbacks.update({r.name: f"the plan measured {speedup:.2f}x of eager" for r in self.runners})
-        if self.graph is not None:
-            self.graph.uninstall()
-            self.graph = None
-        uncompile_regions(self.runners)
-        self.runners = []
+        measured = {r.name: f"the plan measured {speedup:.2f}x of eager" for r in self.runners}
+        self._uncompile()
+        self.fallbacks.update(measured)
+        self.graph = None
         self.plan = Plan(None, False, f"measured {speedup:.2f}x of eager: eager from epoch {trainer.current_epoch + 1}")
 
     def _per_rank_utilisation(self, trainer: pl.Trainer, pl_module: pl.LightningModule, extra: dict[str, float]):
@@ -403,16 +401,20 @@ class FuseCallback(Callback):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._restore()
 
-    def _restore(self) -> None:
-        """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
-        self._end_step_context()
-        for window in self._profiles.values():
-            window.abort()
+    def _uncompile(self) -> None:
+        """Take the graph and every compiled region off the model, keeping why any region had fallen back."""
         if self.graph is not None:
             self.graph.uninstall()
         self.fallbacks.update({r.name: r.fallback_reason for r in self.runners if r.fallback_reason})
         uncompile_regions(self.runners)
         self.runners = []
+
+    def _restore(self) -> None:
+        """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
+        self._end_step_context()
+        for window in self._profiles.values():
+            window.abort()
+        self._uncompile()
         self.tracker.remove()
         if self._sampler is not None:
             self._sampler.stop()
