@@ -9,7 +9,10 @@ time is their whole cost; the background NVML sampler thread is measured by its 
 """
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -42,16 +45,20 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def measure(device: str, steps: int, nvml: bool) -> dict:
+def measure(device: str, steps: int, nvml: bool, profile: cProfile.Profile | None = None) -> dict:
     fuse = FuseCallback(targets=[], cuda_graph=False, cache_dir=False, gpu_sample_hz=10.0 if nvml else 0)
     spent: dict[str, list[float]] = {hook: [] for hook in HOOKS}
     for hook in HOOKS:
         original = getattr(fuse, hook)
 
         def timed(*args, _original=original, _hook=hook, **kwargs):
+            if profile is not None:
+                profile.enable()
             start = time.perf_counter()
             _original(*args, **kwargs)
             spent[_hook].append(time.perf_counter() - start)
+            if profile is not None:
+                profile.disable()
 
         setattr(fuse, hook, timed)
     data = TensorDataset(torch.randn(steps * 8, 32), torch.randint(0, 4, (steps * 8,)))
@@ -69,7 +76,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--step-ms", type=float, nargs="*", default=[5.42, 13.0],
                         help="step times to relate the cost to (default: H100 fuse steps, GPT-8L bs 8 and 64)")
+    parser.add_argument("--profile", action="store_true", help="also print the hooks' top functions (cProfile)")
     args = parser.parse_args()
+    if args.profile:  # a separate run: cProfile slows the hooks it measures
+        profile = cProfile.Profile()
+        measure(args.device, args.steps, True, profile)
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+        print(text.getvalue())
     for nvml in (True, False):
         result = measure(args.device, args.steps, nvml)
         result["share_of_step"] = {f"{ms} ms": result["mean_us"] / (ms * 1e3) for ms in args.step_ms}

@@ -15,7 +15,14 @@ from typing_extensions import override
 
 from lightning_fuse import gpu
 from lightning_fuse.cache import CompileCache, cache_counters, cache_key
-from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, compile_regions, uncompile_regions
+from lightning_fuse.compiler import (
+    CompiledRegion,
+    CompileOptions,
+    RegionPolicy,
+    compile_regions,
+    plain_eager,
+    uncompile_regions,
+)
 from lightning_fuse.graphs import GraphedModule, graph_target
 from lightning_fuse.metrics import count_items, epoch_metrics, per_rank, summary_table
 from lightning_fuse.options import FuseOptions
@@ -23,7 +30,7 @@ from lightning_fuse.plan import Plan, choose_plan
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import Region, Target, format_plan, resolve_regions
 from lightning_fuse.shapes import CompileTracker, DimSpec, batch_size, can_yield_partial_batch
-from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerSchedule, StepTimer, summarize
+from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerWindow, StepTimer, summarize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,8 +46,9 @@ class FuseCallback(Callback):
 
     At fit start the callback resolves ``targets`` into regions, compiles each in place (``state_dict`` keys,
     hooks and classes never change), points torch's compile caches at ``cache_dir`` and loads last run's
-    artifacts. During training it marks varying batch dims dynamic, keeps warmup and compiling steps out of the
-    timing, runs a few steps per epoch eagerly as the reference, and at each epoch end logs ``fuse/speedup``,
+    artifacts. The first steps of the fit run eagerly, uncompiled, as the reference (``eager_steps``); then the
+    regions compile. During training it marks varying batch dims dynamic, keeps warmup and compiling steps out of
+    the timing, and at each epoch end logs ``fuse/speedup``,
     ``fuse/step_ms`` and friends to every logger of the Trainer, with the epoch as the step. At fit end it prints
     a summary, writes it to TensorBoard and saves the compile cache; at teardown the model is eager again.
 
@@ -72,9 +80,11 @@ class FuseCallback(Callback):
         recompile_limit: Recompiles a region may make before ``on_recompile_limit`` applies.
         on_recompile_limit: ``"eager"`` (the region runs eagerly) or ``"dynamic"`` (compile it with
             ``dynamic=True`` once, then eager).
-        warmup_steps: Training steps at fit start kept out of the timing (``None``: 1, or 3 with a CUDA graph).
-            Steps that compile, and partial batches, are always kept out.
-        eager_steps: Eager reference steps per epoch, spread through it; ``0`` turns the speedup measurement off.
+        warmup_steps: Compiled steps after the eager reference kept out of the timing (``None``: 1, or 3 with a CUDA
+            graph). Steps that compile, and partial batches, are always kept out.
+        eager_steps: Timed eager reference steps at the start of the fit (after 2 untimed ones), before anything is
+            compiled or captured; every epoch's ``fuse/speedup`` divides their median by the epoch's compiled
+            median. ``0`` turns the speedup measurement off.
         gpu_sample_hz: NVML sampling rate for GPU utilisation; ``0`` disables it.
         profile_steps: Once per fit, after warmup, profile this many compiled and as many eager steps with
             ``torch.profiler`` (CUDA only; never timed) and log ``fuse/kernels_per_step``,
@@ -134,7 +144,8 @@ class FuseCallback(Callback):
         self.cache: CompileCache | None = None
         self._policy = RegionPolicy(verify=verify, recompile_limit=recompile_limit,
                                     on_recompile_limit=on_recompile_limit)  # fmt: skip
-        self._schedule = EagerSchedule(eager_steps)
+        self._window = EagerWindow(eager_steps)
+        self._eager_ms: list[float] = []  # the reference steps' times, kept for every epoch
         self._timer: StepTimer | None = None
         self._sampler: gpu.GpuSampler | None = None
         self._fit_steps = 0
@@ -189,6 +200,8 @@ class FuseCallback(Callback):
             self.graph.install()
         self._timer = StepTimer(device)
         self._profiles = self._make_profiles(device)
+        self._window = EagerWindow(self.options.eager_steps, profiled=self.options.profile_steps if self._profiles else 0)
+        self._eager_ms = []
         self._start_gpu_metrics(trainer, pl_module, device)
         rank_zero_info(f"FuseCallback plan: {self.plan.describe()}\n{format_plan(self.regions, pl_module)}")
 
@@ -234,8 +247,6 @@ class FuseCallback(Callback):
     # ------------------------------------------------------------------ each step: shapes, eager window, timing
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        first = max(0, self._warmup_steps() - self._fit_steps)
-        self._schedule.plan_epoch(trainer.num_training_batches, first)
         self._timer.reserve(int(min(trainer.num_training_batches, 4096)))
         self._items = []
         if pl_module.device.type == "cuda":
@@ -246,20 +257,26 @@ class FuseCallback(Callback):
         self._mark_dynamic(batch, "train", trainer.train_dataloader)
         size = batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
-        warm = self._fit_steps >= self._warmup_steps()
-        eager = warm and self._schedule.is_eager(batch_idx)
-        timed = warm and size == self._nominal_batch and not self._schedule.is_transition(batch_idx)
-        self._profile = self._profile_window() if timed else None
-        if self._profile is not None:  # profiled steps (compiled, then eager) are never timed
-            eager, timed = self._profile is self._profiles[EAGER], False
+        step = self._fit_steps
+        eager = self._window.is_eager(step)
+        if eager:
+            timed = self._window.is_timed(step)
+            self._profile = self._profiles[EAGER] if self._window.is_profiled(step) else None
+        else:
+            timed = step >= self._window.length + self._warmup_steps()
+            self._profile = self._profiles.get(COMPILED) if timed else None
+            self._profile = None if self._profile is None or self._profile.done else self._profile
+        timed = timed and size == self._nominal_batch and self._profile is None  # profiled steps are never timed
+        if self._profile is not None:
             self._profile.step_start()
         if eager:
-            self._step_context.enter_context(torch.compiler.set_stance("force_eager"))
-            if self._needs_flops() and self._profile is None:  # counting slows the step: once, on an eager step
-                self._flops, timed = self._step_context.enter_context(gpu.count_step_flops()), False
+            self._step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
+            self._step_context.enter_context(plain_eager(self._installed_modules()))
+            if self._needs_flops() and not timed and self._profile is None:  # counting slows the step: untimed ones
+                self._flops = self._step_context.enter_context(gpu.count_step_flops())
         self._step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.graph is not None:
-            self.graph.capture_allowed = self._fit_steps >= 1  # regions compile on step 0, capture after
+            self.graph.capture_allowed = step > self._window.length  # the regions compile first, capture after
         if self.options.length_fn is not None:
             items = count_items(self.options.length_fn, batch)  # every batch, so a bad length_fn fails on the first
             if self._step_kind != SKIPPED:
@@ -279,11 +296,13 @@ class FuseCallback(Callback):
         self._end_step_context()
         self._fit_steps += 1
 
+    def _installed_modules(self) -> list[torch.nn.Module]:
+        """The modules that carry a runner or the graph (bypassed during eager reference steps)."""
+        modules = [runner.region.module for runner in self.runners]
+        return modules + [self.graph.module] if self.graph is not None else modules
+
     def _needs_flops(self) -> bool:
         return self._peak_flops is not None and self._flops_per_batch is None
-
-    def _profile_window(self) -> ProfileWindow | None:
-        return next((w for w in self._profiles.values() if not w.done), None)
 
     def _end_step_context(self) -> None:
         self._step_context.close()
@@ -318,7 +337,9 @@ class FuseCallback(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._timer is None:
             return
-        timing = summarize(self._timer.collect())
+        times = self._timer.collect()
+        self._eager_ms += times.get(EAGER, [])  # the reference, measured once at fit start, serves every epoch
+        timing = summarize({COMPILED: times.get(COMPILED, []), EAGER: self._eager_ms})
         extra = self._sampler.read_and_reset() if self._sampler else {}
         if pl_module.device.type == "cuda":
             extra["peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9

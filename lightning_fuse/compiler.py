@@ -18,7 +18,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,6 +215,33 @@ def uncompile_regions(runners: Sequence[CompiledRegion]) -> None:
     """Restore plain eager modules, exactly as before :func:`compile_regions`."""
     for runner in runners:
         runner.uninstall()
+
+
+@contextmanager
+def plain_eager(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Inside the block, ``modules`` run their plain ``_call_impl``, bypassing whatever is installed on them.
+
+    The eager reference steps use it, so they run exactly the user's eager code: no runner, no dynamo frame, no
+    graph dispatch in between (``set_stance("force_eager")`` alone still routes every call through them).
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> lin._compiled_call_impl = print
+        >>> with plain_eager([lin]):
+        ...     lin._compiled_call_impl is None
+        True
+        >>> lin._compiled_call_impl is print
+        True
+    """
+    saved = [(module, module._compiled_call_impl) for module in modules]
+    for module, _ in saved:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, installed in saved:
+            module._compiled_call_impl = installed
 
 
 def forced_eager() -> bool:

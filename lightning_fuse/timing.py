@@ -1,8 +1,7 @@
-"""Step timers that never synchronise per step, and the schedule of eager reference steps.
+"""Step timers that never synchronise per step, and the window of eager reference steps.
 
 On CUDA a step is timed with two events queued on the current stream and read once per epoch; on CPU with
-``time.perf_counter``. Eager reference steps are spread through each epoch in short chunks, so the compiled and
-eager medians see the same data, the same machine state and the same drift.
+``time.perf_counter``. The eager reference steps are the first steps of the fit, before the model is compiled.
 
 Example::
 
@@ -14,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from collections import defaultdict
@@ -48,12 +46,17 @@ class StepTimer:
         self._pending: list[tuple[str, object, object]] = []
         self._free_events: list[torch.cuda.Event] = []
         self._start: object = None
+        self._stream: torch.cuda.Stream | None = None
 
     def reserve(self, steps: int) -> None:
-        """Create the CUDA events of ``steps`` steps now, so no step pays for creating its events."""
+        """Create the CUDA events of ``steps`` steps now, and look up the stream the steps run on.
+
+        Both cost more than recording an event, so no step pays for them; call it at each epoch start.
+        """
         if self._cuda:
             missing = 2 * min(steps, 4096) - len(self._free_events)
             self._free_events += [torch.cuda.Event(enable_timing=True) for _ in range(max(0, missing))]
+            self._stream = torch.cuda.current_stream()
 
     def start(self) -> None:
         self._start = self._mark()
@@ -82,55 +85,44 @@ class StepTimer:
         if not self._cuda:
             return time.perf_counter()
         event = self._free_events.pop() if self._free_events else torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self._stream)  # None (no reserve() yet): the current stream
         return event
 
 
-class EagerSchedule:
-    """Which steps of an epoch run eagerly (under ``torch.compiler.set_stance("force_eager")``) as the reference.
+class EagerWindow:
+    """The eager reference: the first steps of the fit run eagerly, before anything is compiled or captured.
 
     Args:
-        eager_steps: Eager steps per epoch; ``0`` disables the reference. At most a third of an epoch's timed steps
-            run eagerly, so short epochs get fewer.
-        chunk: Eager steps per visit (the count is split into count // chunk visits, spread evenly). The first step of
-            a chunk, and the first compiled step after it, switch modes (allocator, caches) and are not timed.
-        period: Steps between chunks when the epoch length is unknown (an iterable dataset).
+        eager_steps: Timed eager steps; ``0`` turns the reference off (the model compiles on the first step).
+        warmup: Untimed eager steps first (CUDA context, library handles, allocator growth).
+        profiled: Untimed eager steps after the warmup, for ``profile_steps``.
+
+    Why first and not interleaved with compiled steps: once a CUDA graph was captured over compiled regions, each
+    eager op cost 30-150% more host time in the same process (``benchmarks/results/step_trace/``), so eager steps
+    run among compiled ones read 12-16% slower than a separate eager run and overstated the speedup.
 
     Example::
 
-        >>> schedule = EagerSchedule(eager_steps=4, chunk=2)
-        >>> schedule.plan_epoch(steps=20, first=0)
-        >>> sorted(schedule.steps)
-        [4, 5, 14, 15]
+        >>> window = EagerWindow(eager_steps=3, warmup=2, profiled=1)
+        >>> [window.is_eager(step) for step in range(7)]
+        [True, True, True, True, True, True, False]
+        >>> [window.is_timed(step) for step in range(7)]
+        [False, False, False, True, True, True, False]
     """
 
-    def __init__(self, eager_steps: int, chunk: int = 3, period: int = 50) -> None:
-        self.eager_steps = eager_steps
-        self.chunk = chunk
-        self.period = period
-        self.steps: set[int] = set()
+    def __init__(self, eager_steps: int, warmup: int = 2, profiled: int = 0) -> None:
+        self.warmup = warmup
+        self.profiled = profiled
+        self.length = warmup + profiled + eager_steps if eager_steps else 0
 
-    def plan_epoch(self, steps: int | float, first: int) -> None:
-        """Plan the eager steps of an epoch of ``steps`` batches whose timed steps start at batch ``first``."""
-        self.steps = set()
-        count = self.eager_steps if math.isinf(steps) else min(self.eager_steps, (int(steps) - first) // 3)
-        if count < 2:  # a lone eager step only switches modes: nothing to time
-            return
-        chunks = max(1, count // self.chunk)
-        size = count // chunks
-        if math.isinf(steps):
-            starts = [first + self.period * (k + 1) for k in range(chunks)]
-        else:
-            spacing = (int(steps) - first) / chunks
-            starts = [max(first, first + int(spacing * (k + 0.5)) - size // 2) for k in range(chunks)]
-        self.steps = {start + offset for start in starts for offset in range(size)}
+    def is_eager(self, fit_step: int) -> bool:
+        return fit_step < self.length
 
-    def is_eager(self, batch_idx: int) -> bool:
-        return batch_idx in self.steps
+    def is_profiled(self, fit_step: int) -> bool:
+        return self.warmup <= fit_step < self.warmup + self.profiled and self.is_eager(fit_step)
 
-    def is_transition(self, batch_idx: int) -> bool:
-        """The first step of an eager chunk, or the first compiled step after one: switching modes, not timed."""
-        return (batch_idx in self.steps) != (batch_idx - 1 in self.steps)
+    def is_timed(self, fit_step: int) -> bool:
+        return self.warmup + self.profiled <= fit_step < self.length
 
 
 @dataclass

@@ -22,7 +22,7 @@ if __name__ == "__main__":
     out, cache_dir = Path(sys.argv[1]), Path(sys.argv[2])
     torch.manual_seed(0)
     task = RecordingTask()
-    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_dir)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_dir, eager_steps=0)
     probe = FuseProbe(fuse)
     logger = TensorBoardLogger(out, name="tb", version=0)
     t = trainer([fuse, probe], strategy="ddp", devices=2, max_epochs=2, logger=logger)

@@ -37,7 +37,7 @@ def fit(callbacks, epochs=2, seed=0, samples=70, **kwargs):
 
 def test_auto_compiles_exactly_the_repeated_blocks_and_uncompiles_after_fit():
     probe = CompiledProbe()
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)  # step 0 runs compiled
     task, _ = fit([fuse, probe], epochs=1)
     assert probe.compiled == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
     assert all(m._compiled_call_impl is None for m in task.modules())  # teardown undid it
@@ -45,7 +45,7 @@ def test_auto_compiles_exactly_the_repeated_blocks_and_uncompiles_after_fit():
 
 def test_compiled_fit_reaches_the_same_loss_as_eager():
     eager_task, eager_trainer = fit([], epochs=2)
-    fused_task, fused_trainer = fit([FuseCallback(backend="aot_eager", cache_dir=False)], epochs=2)
+    fused_task, fused_trainer = fit([FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=2)], epochs=2)
     eager_loss = eager_trainer.callback_metrics["train_loss"]
     fused_loss = fused_trainer.callback_metrics["train_loss"]
     torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-4, atol=1e-5)
@@ -103,12 +103,36 @@ def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(t
     assert "fuse/summary" in "".join(events.Tags()["tensors"])  # the summary table, as TensorBoard text
 
 
-def test_eager_steps_switching_modes_are_not_timed():
+def test_the_eager_reference_is_timed_once_at_fit_start_and_serves_every_epoch():
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=6)
-    fit([fuse], epochs=1, samples=640)  # 40 steps: two chunks of 3 eager steps, the first of each untimed
-    timing = fuse._schedule
-    assert len(timing.steps) == 6 and sum(timing.is_transition(i) for i in range(40)) == 4
-    assert "fuse/speedup" in fuse.history[0]
+    fit([fuse], epochs=2, samples=160)  # 10 steps an epoch: 2 untimed + 6 timed eager steps, then compiled ones
+    first, second = fuse.history
+    assert first["fuse/eager_step_ms"] == second["fuse/eager_step_ms"] > 0  # one reference, measured in epoch 0
+    assert first["fuse/step_ms"] > 0 and second["fuse/step_ms"] > 0
+    assert len(fuse._eager_ms) == 6
+
+
+class ForwardProbe(Callback):
+    """Records, at each step, whether the step runs under force_eager and which blocks have a runner installed."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        installed = [b._compiled_call_impl is not None for b in pl_module.model.blocks]
+        self.steps.append((torch._dynamo.eval_frame._stance.stance, installed))
+
+
+def test_eager_reference_steps_run_the_plain_modules_before_anything_compiles():
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=6)
+    probe = ForwardProbe()  # after FuseCallback: sees the step as it runs
+    task, _ = fit([fuse, probe], epochs=1, samples=640)
+    stances = [stance for stance, _ in probe.steps]
+    assert stances[:8] == ["force_eager"] * 8 and "force_eager" not in stances[8:]  # 2 warmup + 6 timed, first
+    assert not any(any(installed) for _, installed in probe.steps[:8])  # no runner, no dynamo frame in between
+    assert all(all(installed) for _, installed in probe.steps[8:])
+    assert fuse.tracker.stats("model.blocks.0").compiles >= 1
+    assert all(b._compiled_call_impl is None for b in task.model.blocks)  # and after fit, nothing left installed
 
 
 def slow_backend(gm, example_inputs):

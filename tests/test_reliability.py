@@ -211,7 +211,8 @@ def test_a_backend_failing_for_one_region_costs_only_that_region(recwarn):
     eager = seeded_task()
     fit(eager, [])
     fused = seeded_task()
-    fuse = FuseCallback(targets=["model.blocks.*", "model.head"], backend=fails_without_layer_norm, cache_dir=False)
+    fuse = FuseCallback(targets=["model.blocks.*", "model.head"], backend=fails_without_layer_norm, cache_dir=False,
+                        eager_steps=0)
     probe = FuseProbe(fuse)
     fit(fused, [fuse, probe])
     fallbacks = messages(recwarn, "falls back to eager")
@@ -236,7 +237,7 @@ def test_a_fit_interrupted_mid_epoch_leaves_the_model_eager_the_logs_readable_an
     artifacts.write_bytes(valid_artifacts())
     inductor_dir, recompile_limit = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), torch._dynamo.config.recompile_limit
     task = seeded_task(fail_at=7, fail_with=failure)  # 5 steps an epoch: fails in the middle of the second
-    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_root)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_root, eager_steps=0)  # epoch 0 has compiled steps
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
@@ -282,7 +283,7 @@ def test_a_damaged_cache_artifact_means_one_warning_and_a_cold_compile(tmp_path,
     artifacts.write_bytes(good[: len(good) // 2] if damage == "truncated" else os.urandom(len(good)))
     torch._dynamo.reset()
     task = seeded_task()
-    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_root)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_root, eager_steps=0)
     probe = FuseProbe(fuse)
     with pytest.warns(UserWarning) as record:
         fit(task, [fuse, probe])
@@ -358,7 +359,7 @@ def test_nvml_missing_or_failing_mid_run_stops_gpu_metrics_with_at_most_one_warn
 
     monkeypatch.setattr(FuseCallback, "_start_gpu_metrics", start_with_fake_nvml)
     task = RecordingTask()
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(task, [fuse, LoseTheGpu()], max_epochs=3)

@@ -131,3 +131,23 @@ def test_load_runs_raises_for_empty_logdir(tmp_path: Path) -> None:
 def test_format_table_rejects_unknown_format() -> None:
     with pytest.raises(ValueError, match="'text' or 'md'"):
         format_table([], fmt="html")
+
+
+def test_speedup_check_pools_runs_and_flags_a_gap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "speedup_check.py"
+    spec = importlib.util.spec_from_file_location("speedup_check", path)
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    for name, step, eager in (("fuse_1", 5.0, 20.0), ("fuse_2", 5.0, 20.0)):
+        scalars = {"step_ms": [step] * 3, "eager_step_ms": [eager] * 3, "speedup": [eager / step] * 3}
+        _write_run(tmp_path / name, {f"fuse/{tag}": values for tag, values in scalars.items()})
+    _write_run(tmp_path / "eager_1", {"fuse/step_ms": [19.6] * 3})  # 2% from the in-run eager steps
+    _write_run(tmp_path / "eager_2", {"fuse/step_ms": [19.8] * 3})
+    _write_run(tmp_path / "eager_slow", {"fuse/step_ms": [24.0] * 3})  # 20% off
+    fuse = f"{tmp_path / 'fuse_1'},{tmp_path / 'fuse_2'}"
+    assert check.main([f"ok={fuse}:{tmp_path / 'eager_1'},{tmp_path / 'eager_2'}"]) == 0
+    assert "| ok | 2 + 2 | 5.00 | 20.00 | 19.70 | 4.00x | 3.94x | 1.5% | PASS |" in capsys.readouterr().out
+    assert check.main([f"off={fuse}:{tmp_path / 'eager_slow'}"]) == 1
+    assert "FAIL" in capsys.readouterr().out

@@ -16,7 +16,7 @@ LR = 0.3  # large enough that 10 steps take the toy's loss from ~1.6 to well und
 
 
 def fused(**kwargs) -> FuseCallback:
-    return FuseCallback(backend="aot_eager", cache_dir=False, **kwargs)
+    return FuseCallback(**{"backend": "aot_eager", "cache_dir": False, "eager_steps": 2, **kwargs})
 
 
 def run(epochs: int, callbacks=(), seed: int = 0, ckpt_path=None, **kwargs) -> tuple[RecordingTask, list]:

@@ -6,34 +6,20 @@ import torch
 from lightning_fuse.metrics import epoch_metrics, summary_table
 from lightning_fuse.profiling import _union_us
 from lightning_fuse.shapes import CompileTracker
-from lightning_fuse.timing import COMPILED, EAGER, EagerSchedule, EpochTiming, StepTimer, summarize
+from lightning_fuse.timing import COMPILED, EAGER, EagerWindow, EpochTiming, StepTimer, summarize
 
 
-def test_schedule_spreads_short_chunks_through_the_epoch():
-    schedule = EagerSchedule(eager_steps=4, chunk=2)
-    schedule.plan_epoch(steps=20, first=0)
-    assert sorted(schedule.steps) == [4, 5, 14, 15]
-    schedule.plan_epoch(steps=100, first=10)
-    assert len(schedule.steps) == 4 and min(schedule.steps) >= 10
+def test_eager_window_is_the_first_steps_of_the_fit_warmup_and_profiling_untimed():
+    window = EagerWindow(eager_steps=4, warmup=2, profiled=3)
+    assert [s for s in range(20) if window.is_eager(s)] == list(range(9))
+    assert [s for s in range(20) if window.is_profiled(s)] == [2, 3, 4]
+    assert [s for s in range(20) if window.is_timed(s)] == [5, 6, 7, 8]
+    assert window.length == 9
 
 
-def test_schedule_keeps_two_thirds_of_a_short_epoch_compiled_and_can_be_off():
-    schedule = EagerSchedule(eager_steps=8)
-    schedule.plan_epoch(steps=9, first=0)
-    assert len(schedule.steps) == 3
-    schedule.plan_epoch(steps=2, first=1)
-    assert schedule.steps == set()
-    schedule.plan_epoch(steps=5, first=0)  # room for one eager step only: it would only switch modes
-    assert schedule.steps == set()
-    off = EagerSchedule(eager_steps=0)
-    off.plan_epoch(steps=100, first=0)
-    assert off.steps == set()
-
-
-def test_schedule_for_an_epoch_of_unknown_length():
-    schedule = EagerSchedule(eager_steps=3, chunk=2, period=50)
-    schedule.plan_epoch(steps=float("inf"), first=5)
-    assert sorted(schedule.steps) == [55, 56, 57]
+def test_eager_window_off():
+    window = EagerWindow(eager_steps=0, profiled=3)
+    assert window.length == 0 and not any(window.is_eager(s) or window.is_timed(s) for s in range(10))
 
 
 def test_cpu_timer_measures_each_step_by_kind():
