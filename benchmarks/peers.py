@@ -49,7 +49,8 @@ for _path in (str(HERE.parent), str(HERE)):  # `recipes`, `lightning_fuse` and `
         sys.path.insert(0, _path)
 
 CORE = ("eager", "compile", "reduce_overhead", "regional", "fuse")
-EXTRA = ("eager_callback", "eager_callback_no_nvml", "fuse_graph_only", "fuse_regional_graph", "fuse_full_graph", "fuse_full_autotune_graph")
+EXTRA = ("eager_callback", "eager_callback_no_nvml", "fuse_graph_only", "fuse_regional_graph", "fuse_full_graph",
+         "fuse_full_autotune_graph")
 VARIANTS = CORE + EXTRA
 ALTERNATIVES = ("eager", "compile", "reduce_overhead", "regional")
 SETUP_VARIANTS = ("compile", "reduce_overhead", "regional", "fuse")  # cold + warm setup, small batch only

@@ -200,7 +200,8 @@ class FuseCallback(Callback):
             self.graph.install()
         self._timer = StepTimer(device)
         self._profiles = self._make_profiles(device)
-        self._window = EagerWindow(self.options.eager_steps, profiled=self.options.profile_steps if self._profiles else 0)
+        profiled = self.options.profile_steps if self._profiles else 0
+        self._window = EagerWindow(self.options.eager_steps, profiled=profiled)
         self._eager_ms = []
         self._start_gpu_metrics(trainer, pl_module, device)
         rank_zero_info(f"FuseCallback plan: {self.plan.describe()}\n{format_plan(self.regions, pl_module)}")

@@ -76,8 +76,8 @@ def resolve_regions(
 
     ``"auto"`` selects repeated blocks (children of an ``nn.ModuleList``/``nn.Sequential`` that share one class) when
     they are all alike (same parameter shapes), and falls back to ``"full"`` otherwise; ``"full"`` selects every
-    top-level child that holds parameters. Overlapping matches keep the outermost module. An excluded module inside a selected one splits the selected
-    module into its remaining children.
+    top-level child that holds parameters. Overlapping matches keep the outermost module. An excluded module inside
+    a selected one splits the selected module into its remaining children.
 
     Raises:
         ValueError: If a pattern or class matches no module; the message lists close module names.

@@ -99,7 +99,7 @@ class EagerWindow:
 
     Why first and not interleaved with compiled steps: once a CUDA graph was captured over compiled regions, each
     eager op cost 30-150% more host time in the same process (``benchmarks/results/step_trace/``), so eager steps
-    run among compiled ones read 12-16% slower than a separate eager run and overstated the speedup.
+    run among compiled ones read 10-16% slower than a separate eager run and overstated the speedup.
 
     Example::
 
