@@ -225,6 +225,10 @@ class StepClock(pl.Callback):
         event.record()
         return event
 
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two marks (CUDA events must have completed: synchronise first)."""
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sampler is not None and not self._sampler.start():
             self._sampler = None
@@ -260,7 +264,7 @@ class StepClock(pl.Callback):
         """Timing statistics of the steps recorded so far (one sync on CUDA)."""
         if self.cuda:
             torch.cuda.synchronize()
-        elapsed = (lambda a, b: a.elapsed_time(b)) if self.cuda else (lambda a, b: (b - a) * 1e3)
+        elapsed = self.elapsed_ms
         done = len(self.ends)
         timed = range(self.warmup, min(done, self.warmup + self.steps))
         step_ms = [elapsed(self.starts[i], self.ends[i]) for i in timed]

@@ -79,8 +79,7 @@ class LabelledClock(pm.StepClock):
     def steps_ms(self) -> list[tuple[bool, float, dict[str, float]]]:
         if self.cuda:
             torch.cuda.synchronize()
-        elapsed = (lambda a, b: a.elapsed_time(b)) if self.cuda else (lambda a, b: (b - a) * 1e3)
-        return [(e, elapsed(a, b), h) for e, a, b, h in zip(self.eager, self.starts, self.ends, self.host)]
+        return [(e, self.elapsed_ms(a, b), h) for e, a, b, h in zip(self.eager, self.starts, self.ends, self.host)]
 
 
 class OpProfile(pl.Callback):

@@ -265,8 +265,8 @@ class FuseCallback(Callback):
             self._profile = self._profiles[EAGER] if self._window.is_profiled(step) else None
         else:
             timed = step >= self._window.length + self._warmup_steps()
-            self._profile = self._profiles.get(COMPILED) if timed else None
-            self._profile = None if self._profile is None or self._profile.done else self._profile
+            window = self._profiles.get(COMPILED)
+            self._profile = window if timed and window is not None and not window.done else None
         timed = timed and size == self._nominal_batch and self._profile is None  # profiled steps are never timed
         if self._profile is not None:
             self._profile.step_start()

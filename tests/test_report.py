@@ -134,12 +134,8 @@ def test_format_table_rejects_unknown_format() -> None:
 
 
 def test_speedup_check_pools_runs_and_flags_a_gap(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    import importlib.util
+    from benchmarks import speedup_check as check
 
-    path = Path(__file__).parents[1] / "benchmarks" / "speedup_check.py"
-    spec = importlib.util.spec_from_file_location("speedup_check", path)
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
     for name, step, eager in (("fuse_1", 5.0, 20.0), ("fuse_2", 5.0, 20.0)):
         scalars = {"step_ms": [step] * 3, "eager_step_ms": [eager] * 3, "speedup": [eager / step] * 3}
         _write_run(tmp_path / name, {f"fuse/{tag}": values for tag, values in scalars.items()})
