@@ -821,7 +821,8 @@ def render_markdown(records: list[dict[str, Any]], source: str = "") -> str:
         "`on_train_batch_start`/`on_train_batch_end` (forward, backward, optimizer and LR scheduler step); "
         "**iter ms**: start to next start (the whole loop iteration). All variants of a regime ran in one "
         "process, after their compile caches were filled in phase 1 (warm).",
-        f"- **setup s**: `trainer.fit` start to the end of the first step (synchronised), in a fresh process; "
+        f"- **setup s**: from the variant's `compile()` call (FuseCallback: `trainer.fit`) to the end of the first "
+        f"step (synchronised), in a fresh process; "
         f"cold = empty inductor/Triton/FuseCallback caches, warm = the same caches again. Measured at the small "
         f"batch of each model ({first.get('setup_jobs_concurrent', '?')} such processes at a time, "
         f"{first.get('setup_job_cores', '?')} CPU cores each); a dagger marks a value measured at another batch.",

@@ -1,9 +1,10 @@
 """Check the speedup FuseCallback logs against separate eager-only runs of the same recipe.
 
 For each regime, given the ``fuse=auto`` runs and the ``fuse=measure_only`` (eager) runs of the same model and
-batch, compares the median over all their epochs of the logged ``fuse/speedup`` with ``eager-only step ms / fuse
-step ms`` (medians over the epochs of the eager runs and of the fuse runs), and writes a markdown table. Used by
-``benchmarks/recipes.sh``; several runs per side are comma-separated::
+batch, compares the logged ``fuse/speedup`` with ``eager-only step ms / fuse step ms``, and writes a markdown
+table. Each run counts once: a metric is its median over the run's epochs, and several runs are pooled with the
+geometric mean (runs on the lent machines differ by 10-25%, epochs within a run much less, so a median over the
+pooled epochs would just pick one run). Used by ``benchmarks/recipes.sh``; runs per side are comma-separated::
 
     python benchmarks/speedup_check.py small=RUNS/fuse1/tb,RUNS/fuse2/tb:RUNS/eager1/tb,RUNS/eager2/tb large=...
 """
@@ -19,23 +20,23 @@ from lightning_fuse.report import load_runs  # noqa: E402
 TOLERANCE = 0.05
 
 
-def median(runs: list, metric: str) -> float:
-    """Median of ``fuse/<metric>`` over every epoch of ``runs``."""
-    values = [v for run in runs for _, v in run.series(metric)]
-    if not values:
-        raise SystemExit(f"no fuse/{metric} in {[run.name for run in runs]}")
-    return statistics.median(values)
+def pooled(runs: list, metric: str) -> float:
+    """Geometric mean over ``runs`` of each run's median ``fuse/<metric>`` over its epochs."""
+    medians = [statistics.median(v for _, v in run.series(metric)) for run in runs if run.series(metric)]
+    if len(medians) < len(runs):
+        raise SystemExit(f"no fuse/{metric} in some of {[run.name for run in runs]}")
+    return statistics.geometric_mean(medians)
 
 
 def check(label: str, fuse_dirs: str, eager_dirs: str) -> tuple[str, bool]:
     fuse, eager = load_runs(fuse_dirs.split(",")), load_runs(eager_dirs.split(","))
-    logged = median(fuse, "speedup")
-    separate = median(eager, "step_ms") / median(fuse, "step_ms")
+    logged = pooled(fuse, "speedup")
+    separate = pooled(eager, "step_ms") / pooled(fuse, "step_ms")
     gap = abs(logged / separate - 1)
     ok = gap <= TOLERANCE
     row = (
-        f"| {label} | {len(fuse)} + {len(eager)} | {median(fuse, 'step_ms'):.2f} | "
-        f"{median(fuse, 'eager_step_ms'):.2f} | {median(eager, 'step_ms'):.2f} | {logged:.2f}x | {separate:.2f}x | "
+        f"| {label} | {len(fuse)} + {len(eager)} | {pooled(fuse, 'step_ms'):.2f} | "
+        f"{pooled(fuse, 'eager_step_ms'):.2f} | {pooled(eager, 'step_ms'):.2f} | {logged:.2f}x | {separate:.2f}x | "
         f"{gap:.1%} | {'PASS' if ok else 'FAIL'} |"
     )
     return row, ok

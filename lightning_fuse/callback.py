@@ -82,7 +82,7 @@ class FuseCallback(Callback):
             ``dynamic=True`` once, then eager).
         warmup_steps: Compiled steps after the eager reference kept out of the timing (``None``: 1, or 3 with a CUDA
             graph). Steps that compile, and partial batches, are always kept out.
-        eager_steps: Timed eager reference steps at the start of the fit (after 2 untimed ones), before anything is
+        eager_steps: Timed eager reference steps at the start of the fit (after 3 untimed ones), before anything is
             compiled or captured; every epoch's ``fuse/speedup`` divides their median by the epoch's compiled
             median. ``0`` turns the speedup measurement off.
         gpu_sample_hz: NVML sampling rate for GPU utilisation; ``0`` disables it.
@@ -121,7 +121,7 @@ class FuseCallback(Callback):
         recompile_limit: int = 8,
         on_recompile_limit: str = "eager",
         warmup_steps: int | None = None,
-        eager_steps: int = 8,
+        eager_steps: int = 20,
         gpu_sample_hz: float = 10.0,
         profile_steps: int = 0,
         length_fn: Callable[[Any], int] | None = None,
@@ -255,7 +255,8 @@ class FuseCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
-        self._mark_dynamic(batch, "train", trainer.train_dataloader)
+        self._timer.start()  # this step's start is the last step's end
+        self._mark_dynamic(batch, "train", lambda: trainer.train_dataloader)
         size = batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
         step = self._fit_steps
@@ -283,7 +284,6 @@ class FuseCallback(Callback):
             if self._step_kind != SKIPPED:
                 self._items.append(items)
         self._step_compiles = self.tracker.total_compiles
-        self._timer.start()
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -317,21 +317,27 @@ class FuseCallback(Callback):
         return 3 if self.plan is not None and self.plan.cuda_graph else 1
 
     @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._timer is not None:
+            self._timer.interrupt()  # the training step before validation would otherwise include it
+
+    @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
-        self._mark_dynamic(batch, "validate", trainer.val_dataloaders)
+        self._mark_dynamic(batch, "validate", lambda: trainer.val_dataloaders)
 
     @override
     def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
                             dataloader_idx: int = 0) -> None:  # fmt: skip
-        self._mark_dynamic(batch, "test", trainer.test_dataloaders)
+        self._mark_dynamic(batch, "test", lambda: trainer.test_dataloaders)
 
-    def _mark_dynamic(self, batch: Any, stage: str, loaders: Any) -> None:
-        if stage not in self._partial_possible:
+    def _mark_dynamic(self, batch: Any, stage: str, loaders: Callable[[], Any]) -> None:
+        partial = self._partial_possible.get(stage)
+        if partial is None:  # once per stage: the loaders are looked up only then
             # A CUDA graph needs static shapes: odd batches then run without it instead of going dynamic.
             static = self.plan is not None and self.plan.cuda_graph
-            self._partial_possible[stage] = not static and can_yield_partial_batch(loaders)
-        self._policy.dynamic_sizes = self.options.dims.apply(batch, self._partial_possible[stage])
+            partial = self._partial_possible[stage] = not static and can_yield_partial_batch(loaders())
+        self._policy.dynamic_sizes = self.options.dims.apply(batch, partial)
 
     # ------------------------------------------------------------------ epoch end: report
     @override

@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -125,6 +126,7 @@ class GraphedModule:
                 for buffer, saved in zip(self.module.buffers(), buffers):
                     buffer.copy_(saved)
             self._graphed = self.module.__dict__.pop("forward")  # it patched forward; we replay it ourselves
+            release_capture_graph(self._graphed)
             self._signature = _signature(args)
             rank_zero_info(f"FuseCallback: captured one CUDA graph over {self.name!r} forward+backward.")
         except Exception as err:  # noqa: BLE001 - a capture failure must not cost the run
@@ -137,6 +139,54 @@ class GraphedModule:
             )
         finally:
             self._capturing = False
+
+
+def release_capture_graph(graphed: Any) -> int:
+    """Free the autograd graph of the capture, which the graphed forward's closures keep alive; returns how many
+    captured outputs were detached.
+
+    ``make_graphed_callables`` keeps its captured forward outputs, and with them the autograd graph of the capture,
+    including each parameter's ``AccumulateGrad`` node, made on its side stream. A node accumulates on the stream it
+    was made on, so while it lives every backward accumulates each gradient on that side stream, with a
+    cross-stream sync per parameter (torch warns "The AccumulateGrad node's stream does not match ..."). The replay
+    never uses that graph: detached, the nodes are freed and the next forward makes new ones on its own stream.
+
+    Example::
+
+        >>> def capture():
+        ...     out = (torch.ones(2, requires_grad=True) * 2,)
+        ...     return (lambda: out), out
+        >>> replay, out = capture()
+        >>> release_capture_graph(replay), out[0].grad_fn
+        (1, None)
+    """
+    detached, seen, todo = 0, set(), [graphed]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None and not obj._is_view():
+                obj.detach_()
+                detached += 1
+        elif isinstance(obj, (tuple, list)):
+            todo.extend(obj)
+        elif isinstance(obj, staticmethod):
+            todo.append(obj.__func__)
+        elif isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+            todo.extend(vars(obj).values())
+        elif inspect.isfunction(obj):
+            todo.extend(cell.cell_contents for cell in obj.__closure__ or () if _filled(cell))
+    return detached
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def _signature(args: tuple) -> Signature:

@@ -47,7 +47,7 @@ class FuseOptions:
     recompile_limit: int = 8
     on_recompile_limit: str = "eager"
     warmup_steps: int | None = None
-    eager_steps: int = 8
+    eager_steps: int = 20
     gpu_sample_hz: float = 10.0
     profile_steps: int = 0
     length_fn: Callable[[Any], int] | None = None

@@ -1,12 +1,14 @@
 """Step timers that never synchronise per step, and the window of eager reference steps.
 
-On CUDA a step is timed with two events queued on the current stream and read once per epoch; on CPU with
-``time.perf_counter``. The eager reference steps are the first steps of the fit, before the model is compiled.
+A step is timed from its start to the next step's start (the whole loop iteration): on CUDA with one event per
+step queued on the current stream and read once per epoch, on CPU with ``time.perf_counter``. The eager
+reference steps are the first steps of the fit, before the model is compiled.
 
 Example::
 
     >>> timer = StepTimer(torch.device("cpu"))
-    >>> timer.start(); timer.stop("compiled")
+    >>> for _ in range(2):
+    ...     timer.start(); timer.stop("compiled")
     >>> sorted(timer.collect())
     ['compiled']
 """
@@ -27,25 +29,31 @@ SKIPPED = "skipped"
 
 
 class StepTimer:
-    """Times training steps on ``device`` without a per-step ``synchronize()``.
+    """Times training steps on ``device`` without a per-step ``synchronize()``: one mark per step, at its start.
+
+    A step runs from its mark to the next step's mark, so its time is the whole loop iteration: the forward,
+    backward and optimizer step, and the loop's own work between steps (fetching the batch, logging, hooks). That
+    is what sets an epoch's duration. The last step before :meth:`collect` or :meth:`interrupt` has no end and is
+    not timed.
 
     Args:
-        device: Where the steps run; CUDA uses events, anything else ``time.perf_counter``.
+        device: Where the steps run; CUDA marks with events on the current stream, anything else with
+            ``time.perf_counter``.
 
     Example::
 
         >>> timer = StepTimer(torch.device("cpu"))
-        >>> for _ in range(3):
+        >>> for _ in range(4):
         ...     timer.start(); timer.stop("eager")
-        >>> len(timer.collect()["eager"])
+        >>> len(timer.collect()["eager"])  # the last step has no end yet
         3
     """
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
-        self._pending: list[tuple[str, object, object]] = []
+        self._marks: list[object] = []
+        self._kinds: list[str] = []
         self._free_events: list[torch.cuda.Event] = []
-        self._start: object = None
         self._stream: torch.cuda.Stream | None = None
 
     def reserve(self, steps: int) -> None:
@@ -54,31 +62,40 @@ class StepTimer:
         Both cost more than recording an event, so no step pays for them; call it at each epoch start.
         """
         if self._cuda:
-            missing = 2 * min(steps, 4096) - len(self._free_events)
+            missing = min(steps, 4096) - len(self._free_events)
             self._free_events += [torch.cuda.Event(enable_timing=True) for _ in range(max(0, missing))]
             self._stream = torch.cuda.current_stream()
 
     def start(self) -> None:
-        self._start = self._mark()
+        """Mark the start of a step, which is also the end of the one before."""
+        if len(self._kinds) < len(self._marks):
+            self._kinds.append(SKIPPED)  # the step before never said what it was
+        self._marks.append(self._mark())
 
     def stop(self, kind: str) -> None:
-        if self._start is None:
-            return
-        self._pending.append((kind, self._start, self._mark()))
-        self._start = None
+        """Say what the current step was (``kind``); its time is known at the next :meth:`start`."""
+        if len(self._kinds) < len(self._marks):
+            self._kinds.append(kind)
+
+    def interrupt(self) -> None:
+        """Leave the current step untimed: something that is not training (validation, say) runs before the next."""
+        if len(self._kinds) < len(self._marks):
+            self._kinds.append(SKIPPED)
+        elif self._kinds:
+            self._kinds[-1] = SKIPPED
 
     def collect(self) -> dict[str, list[float]]:
-        """Milliseconds per step, by kind, for every step since the last call (one sync on CUDA)."""
-        if self._cuda and self._pending:
-            self._pending[-1][2].synchronize()  # the last event done means every earlier one is done
+        """Milliseconds per step, by kind, for every ended step since the last call (one sync on CUDA)."""
         times: dict[str, list[float]] = defaultdict(list)
-        for kind, begin, end in self._pending:
-            if self._cuda:
-                times[kind].append(begin.elapsed_time(end))
-                self._free_events += [begin, end]
-            else:
-                times[kind].append((end - begin) * 1e3)
-        self._pending.clear()
+        marks = self._marks
+        if self._cuda and len(marks) > 1:
+            marks[-1].synchronize()  # the last event done means every earlier one is done
+        for kind, begin, end in zip(self._kinds, marks, marks[1:]):
+            if kind != SKIPPED:
+                times[kind].append(begin.elapsed_time(end) if self._cuda else (end - begin) * 1e3)
+        if self._cuda:
+            self._free_events += marks
+        self._marks, self._kinds = [], []
         return dict(times)
 
     def _mark(self) -> object:
@@ -110,7 +127,7 @@ class EagerWindow:
         [False, False, False, True, True, True, False]
     """
 
-    def __init__(self, eager_steps: int, warmup: int = 2, profiled: int = 0) -> None:
+    def __init__(self, eager_steps: int, warmup: int = 3, profiled: int = 0) -> None:
         self.warmup = warmup
         self.profiled = profiled
         self.length = warmup + profiled + eager_steps if eager_steps else 0

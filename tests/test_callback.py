@@ -105,7 +105,7 @@ def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(t
 
 def test_the_eager_reference_is_timed_once_at_fit_start_and_serves_every_epoch():
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=6)
-    fit([fuse], epochs=2, samples=160)  # 10 steps an epoch: 2 untimed + 6 timed eager steps, then compiled ones
+    fit([fuse], epochs=2, samples=240)  # 15 steps an epoch: 3 untimed + 6 timed eager steps, then compiled ones
     first, second = fuse.history
     assert first["fuse/eager_step_ms"] == second["fuse/eager_step_ms"] > 0  # one reference, measured in epoch 0
     assert first["fuse/step_ms"] > 0 and second["fuse/step_ms"] > 0
@@ -128,9 +128,9 @@ def test_eager_reference_steps_run_the_plain_modules_before_anything_compiles():
     probe = ForwardProbe()  # after FuseCallback: sees the step as it runs
     task, _ = fit([fuse, probe], epochs=1, samples=640)
     stances = [stance for stance, _ in probe.steps]
-    assert stances[:8] == ["force_eager"] * 8 and "force_eager" not in stances[8:]  # 2 warmup + 6 timed, first
-    assert not any(any(installed) for _, installed in probe.steps[:8])  # no runner, no dynamo frame in between
-    assert all(all(installed) for _, installed in probe.steps[8:])
+    assert stances[:9] == ["force_eager"] * 9 and "force_eager" not in stances[9:]  # 3 warmup + 6 timed, first
+    assert not any(any(installed) for _, installed in probe.steps[:9])  # no runner, no dynamo frame in between
+    assert all(all(installed) for _, installed in probe.steps[9:])
     assert fuse.tracker.stats("model.blocks.0").compiles >= 1
     assert all(b._compiled_call_impl is None for b in task.model.blocks)  # and after fit, nothing left installed
 
@@ -190,3 +190,22 @@ def test_real_inductor_trains_like_eager(tmp_path, recwarn):
     for a, b in zip(eager_task.parameters(), fused_task.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
 
+
+
+class SlowValidation(ToyTask):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.3)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_a_step_runs_to_the_next_step_start_and_validation_never_enters_it(monkeypatch):
+    from lightning_fuse.timing import StepTimer
+
+    collected, collect = [], StepTimer.collect
+    monkeypatch.setattr(StepTimer, "collect", lambda self: collected.append(collect(self)) or collected[-1])
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=4)
+    pl.seed_everything(0, verbose=False)
+    trainer([fuse], max_epochs=1, val_check_interval=8, limit_val_batches=1).fit(SlowValidation(samples=320))
+    times = [ms for kind in collected[0].values() for ms in kind]  # 20 steps, validation after steps 8, 16 and 20
+    assert len(collected[0]["eager"]) == 4 and len(times) >= 10
+    assert max(times) < 150  # each validation sleeps 300 ms; none of it is in a step

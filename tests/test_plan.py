@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_fuse.graphs import GraphedModule, graph_target
+from lightning_fuse.graphs import GraphedModule, graph_target, release_capture_graph
 from lightning_fuse.plan import choose_plan
 from tests.toy import ToyTask
 
@@ -95,3 +95,28 @@ def test_graph_dispatch_sits_outside_a_compiled_whole_network(monkeypatch):
     assert task.model._compiled_call_impl is runners[0] and "forward" not in task.model.__dict__
     uncompile_regions(runners)
     assert task.model._compiled_call_impl is None
+
+
+def test_release_capture_graph_detaches_the_outputs_a_graphed_forward_closes_over():
+    weight = torch.nn.Parameter(torch.ones(3))
+
+    def make_graphed():  # the shape of torch.cuda.make_graphed_callables: closures around an autograd Function
+        static_outputs = (weight * 2, (weight * 3)[:2])  # the second is a view: cannot be detached in place
+
+        class Graphed(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *inputs):
+                return tuple(o.detach() for o in static_outputs)
+
+        def functionalized(*args):
+            return Graphed.apply(*args, weight)
+
+        def new_fwd(*args):
+            return functionalized(*args)
+
+        return new_fwd, static_outputs
+
+    graphed, outputs = make_graphed()
+    assert release_capture_graph(graphed) == 1
+    assert outputs[0].grad_fn is None and outputs[1].grad_fn is not None
+    assert weight.grad_fn is None and weight.requires_grad  # parameters are left alone

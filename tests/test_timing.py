@@ -6,7 +6,7 @@ import torch
 from lightning_fuse.metrics import epoch_metrics, summary_table
 from lightning_fuse.profiling import _union_us
 from lightning_fuse.shapes import CompileTracker
-from lightning_fuse.timing import COMPILED, EAGER, EagerWindow, EpochTiming, StepTimer, summarize
+from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerWindow, EpochTiming, StepTimer, summarize
 
 
 def test_eager_window_is_the_first_steps_of_the_fit_warmup_and_profiling_untimed():
@@ -22,20 +22,31 @@ def test_eager_window_off():
     assert window.length == 0 and not any(window.is_eager(s) or window.is_timed(s) for s in range(10))
 
 
-def test_cpu_timer_measures_each_step_by_kind():
+def test_cpu_timer_times_each_step_to_the_next_start_by_kind():
     timer = StepTimer(torch.device("cpu"))
-    timer.start()
-    time.sleep(0.01)
-    timer.stop(COMPILED)
-    timer.start()
-    time.sleep(0.02)
-    timer.stop(EAGER)
-    timer.stop(EAGER)  # a stop without a start is ignored
-    times = timer.collect()
+    for kind, seconds in ((COMPILED, 0.01), (EAGER, 0.02), (SKIPPED, 0.01), (COMPILED, 0.0)):
+        timer.start()
+        time.sleep(seconds)
+        timer.stop(kind)
+    times = timer.collect()  # the last step has no end: untimed
+    assert sorted(times) == [COMPILED, EAGER] and len(times[COMPILED]) == 1
     assert times[COMPILED][0] == pytest.approx(10, abs=8) and times[EAGER][0] == pytest.approx(20, abs=8)
     assert timer.collect() == {}
     timing = summarize(times)
     assert timing.speedup == pytest.approx(times[EAGER][0] / times[COMPILED][0])
+
+
+def test_cpu_timer_leaves_interrupted_and_unfinished_steps_untimed():
+    timer = StepTimer(torch.device("cpu"))
+    timer.stop(EAGER)  # a stop before any start is ignored
+    timer.start()  # never stopped: untimed
+    timer.start()
+    timer.stop(EAGER)
+    timer.interrupt()  # validation runs before the next step
+    timer.start()
+    timer.stop(COMPILED)
+    timer.start()
+    assert timer.collect() == {COMPILED: [pytest.approx(0, abs=5)]}
 
 
 def test_epoch_metrics_leave_out_what_was_not_measured():
