@@ -366,8 +366,9 @@ def measure(
         pl.seed_everything(0, verbose=False)
         task = build_task(model, tiny)
         loader = loader_fn(device) if loader_fn else random_loader(model, batch, warmup + steps, tiny, device)
-        setup_start = time.perf_counter()  # setup includes the variant's own compile() call (its first one imports
-        callbacks = apply_variant(variant, task, model, cache_dir, backend, eager_steps)  # inductor: 2-3 s)
+        # Setup starts at the variant's own compile() call: a process's first one imports inductor (2-3 s).
+        setup_start = time.perf_counter()
+        callbacks = apply_variant(variant, task, model, cache_dir, backend, eager_steps)
         clock = StepClock(warmup, steps, sync_at=sync_at, sample_gpu=sample_gpu and cuda, keep_losses=keep_losses,
                           cudagraph_mark_step=variant == "reduce_overhead" and cuda)  # fmt: skip
         clock.fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
