@@ -5,22 +5,24 @@ A diagnostic for the eager reference (FuseCallback times it over the first steps
     python recipes/train.py model=gpt trainer=gpu fuse=measure_only \
         +callbacks.steps._target_=benchmarks.step_log.StepLog +callbacks.steps.path=$OUT/steps.json
 
-Each step is timed from its start to the next step's start with CUDA events (``perf_counter`` on CPU), read once
-at fit end, like FuseCallback's own timer.
+Each step is timed from its start to the next step's start with FuseCallback's own timer
+(:class:`lightning_fuse.timing.StepTimer`), read once at fit end.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
-import torch
+
+from lightning_fuse.timing import StepTimer
+
+STEP = "step"
 
 
 class StepLog(pl.Callback):
-    """Records a mark at each training step start; at fit end writes ``{"step_ms": [...]}`` to ``path``.
+    """Marks each training step's start; at fit end writes ``{"step_ms": [...]}`` to ``path``.
 
     Args:
         path: Where the JSON goes.
@@ -32,23 +34,15 @@ class StepLog(pl.Callback):
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
-        self.marks: list[object] = []
-        self.cuda = False
+        self.timer: StepTimer | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.timer = StepTimer(pl_module.device)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.cuda = pl_module.device.type == "cuda"
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.timer.start()
+        self.timer.stop(STEP)
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-            ms = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        else:
-            ms = [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps({"step_ms": ms}))
+        self.path.write_text(json.dumps({"step_ms": self.timer.collect().get(STEP, [])}))

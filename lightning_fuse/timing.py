@@ -68,8 +68,7 @@ class StepTimer:
 
     def start(self) -> None:
         """Mark the start of a step, which is also the end of the one before."""
-        if len(self._kinds) < len(self._marks):
-            self._kinds.append(SKIPPED)  # the step before never said what it was
+        self.stop(SKIPPED)  # a step that never said what it was stays untimed
         self._marks.append(self._mark())
 
     def stop(self, kind: str) -> None:
@@ -79,9 +78,8 @@ class StepTimer:
 
     def interrupt(self) -> None:
         """Leave the current step untimed: something that is not training (validation, say) runs before the next."""
-        if len(self._kinds) < len(self._marks):
-            self._kinds.append(SKIPPED)
-        elif self._kinds:
+        if self._marks:
+            self.stop(SKIPPED)
             self._kinds[-1] = SKIPPED
 
     def collect(self) -> dict[str, list[float]]:
