@@ -42,13 +42,30 @@ def check(label: str, fuse_dirs: str, eager_dirs: str) -> tuple[str, bool]:
     return row, ok
 
 
+def per_run(label: str, fuse_dirs: str, eager_dirs: str) -> list[str]:
+    """One row per run: its medians over its epochs, so the spread between runs shows beside the pooled values."""
+    rows = []
+    for side, dirs in (("fuse", fuse_dirs), ("eager-only", eager_dirs)):
+        for run in load_runs(dirs.split(",")):
+            series = [[v for _, v in run.series(m)] for m in ("step_ms", "eager_step_ms", "speedup")]
+            cells = [f"{statistics.median(values):.2f}" if values else "-" for values in series]
+            rows.append(f"| {label} | {side} | {run.name} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def main(pairs: list[str]) -> int:
     print("| regime | fuse + eager runs | fuse step ms | in-run eager ms | eager-only runs step ms | logged speedup | "
           "separate-run speedup | gap | within 5% |")
     print("|---|---|---|---|---|---|---|---|---|")
-    results = [check(label, *dirs.split(":")) for label, dirs in (pair.split("=", 1) for pair in pairs)]
+    checks = [(label, *dirs.split(":")) for label, dirs in (pair.split("=", 1) for pair in pairs)]
+    results = [check(*args) for args in checks]
     for row, _ in results:
         print(row)
+    print("\nPer run (medians over its epochs):\n")
+    print("| regime | side | run | step ms | in-run eager ms | logged speedup |")
+    print("|---|---|---|---|---|---|")
+    for args in checks:
+        print("\n".join(per_run(*args)))
     return 0 if all(ok for _, ok in results) else 1
 
 

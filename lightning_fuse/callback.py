@@ -30,7 +30,7 @@ from lightning_fuse.plan import Plan, choose_plan
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import Region, Target, format_plan, resolve_regions
 from lightning_fuse.shapes import CompileTracker, DimSpec, batch_size, can_yield_partial_batch
-from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerWindow, StepTimer, summarize
+from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, UNKNOWN_EPOCH_STEPS, EagerSchedule, StepTimer, summarize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,9 +46,10 @@ class FuseCallback(Callback):
 
     At fit start the callback resolves ``targets`` into regions, compiles each in place (``state_dict`` keys,
     hooks and classes never change), points torch's compile caches at ``cache_dir`` and loads last run's
-    artifacts. The first steps of the fit run eagerly, uncompiled, as the reference (``eager_steps``); then the
-    regions compile. During training it marks varying batch dims dynamic, keeps warmup and compiling steps out of
-    the timing, and at each epoch end logs ``fuse/speedup``,
+    artifacts. The first 3 steps of the fit run eagerly, uncompiled; then the regions compile. In every epoch a few
+    steps, spread over the epoch, run eagerly again as the reference (``eager_steps``). During training it marks
+    varying batch dims dynamic, keeps warmup and compiling steps out of the timing, and at each epoch end logs
+    ``fuse/speedup``,
     ``fuse/step_ms`` and friends to every logger of the Trainer, with the epoch as the step. At fit end it prints
     a summary, writes it to TensorBoard and saves the compile cache; at teardown the model is eager again.
 
@@ -80,11 +81,13 @@ class FuseCallback(Callback):
         recompile_limit: Recompiles a region may make before ``on_recompile_limit`` applies.
         on_recompile_limit: ``"eager"`` (the region runs eagerly) or ``"dynamic"`` (compile it with
             ``dynamic=True`` once, then eager).
-        warmup_steps: Compiled steps after the eager reference kept out of the timing (``None``: 1, or 3 with a CUDA
-            graph). Steps that compile, and partial batches, are always kept out.
-        eager_steps: Timed eager reference steps at the start of the fit (after 3 untimed ones), before anything is
-            compiled or captured; every epoch's ``fuse/speedup`` divides their median by the epoch's compiled
-            median. ``0`` turns the speedup measurement off.
+        warmup_steps: Compiled steps after the fit's first eager steps kept out of the timing (``None``: 1, or 3
+            with a CUDA graph). Steps that compile, and partial batches, are always kept out.
+        eager_steps: Timed eager reference steps per epoch, run with the compiled code and the graph bypassed, in
+            chunks of up to 5 (each after one untimed eager step) spread evenly over the epoch, at most a third of
+            its steps; ``fuse/speedup`` divides their median by the epoch's compiled median. An epoch too short for
+            any reuses the last measured reference. ``0`` turns the speedup measurement off and compiles at the
+            first step.
         gpu_sample_hz: NVML sampling rate for GPU utilisation; ``0`` disables it.
         profile_steps: Once per fit, after warmup, profile this many compiled and as many eager steps with
             ``torch.profiler`` (CUDA only; never timed) and log ``fuse/kernels_per_step``,
@@ -144,8 +147,9 @@ class FuseCallback(Callback):
         self.cache: CompileCache | None = None
         self._policy = RegionPolicy(verify=verify, recompile_limit=recompile_limit,
                                     on_recompile_limit=on_recompile_limit)  # fmt: skip
-        self._window = EagerWindow(eager_steps)
-        self._eager_ms: list[float] = []  # the reference steps' times, kept for every epoch
+        self._schedule = EagerSchedule(eager_steps)
+        self._eager_ms: list[float] = []  # the last measured reference, for an epoch too short to have one
+        self._short_epoch_said = False
         self._timer: StepTimer | None = None
         self._sampler: gpu.GpuSampler | None = None
         self._fit_steps = 0
@@ -178,6 +182,7 @@ class FuseCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = pl_module.device
         self._fit_steps, self._nominal_batch, self._partial_possible = 0, 0, {}
+        self._short_epoch_said = False
         self.regions = resolve_regions(pl_module, self.options.targets, self.options.exclude)
         self.plan = choose_plan(
             self.options.mode, self.options.cuda_graph, device, trainer.world_size, self.options.dynamic
@@ -201,7 +206,7 @@ class FuseCallback(Callback):
         self._timer = StepTimer(device)
         self._profiles = self._make_profiles(device)
         profiled = self.options.profile_steps if self._profiles else 0
-        self._window = EagerWindow(self.options.eager_steps, profiled=profiled)
+        self._schedule = EagerSchedule(self.options.eager_steps, profiled=profiled)
         self._eager_ms = []
         self._start_gpu_metrics(trainer, pl_module, device)
         rank_zero_info(f"FuseCallback plan: {self.plan.describe()}\n{format_plan(self.regions, pl_module)}")
@@ -249,6 +254,15 @@ class FuseCallback(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._timer.reserve(int(min(trainer.num_training_batches, 4096)))
+        steps = int(min(trainer.num_training_batches, UNKNOWN_EPOCH_STEPS))
+        placed = self._schedule.plan_epoch(self._fit_steps, steps, self._warmup_steps())
+        if placed < self.options.eager_steps and not self._short_epoch_said:
+            self._short_epoch_said = True
+            then = "reuses the last measured reference, if any" if placed == 0 else f"times {placed}"
+            rank_zero_info(
+                f"FuseCallback: at most a third of an epoch runs eagerly, so an epoch of {steps} steps {then} instead"
+                f" of eager_steps={self.options.eager_steps}; longer epochs or a lower eager_steps avoid this."
+            )
         self._items = []
         if pl_module.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(pl_module.device)
@@ -260,12 +274,12 @@ class FuseCallback(Callback):
         size = batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
         step = self._fit_steps
-        eager = self._window.is_eager(step)
+        eager = self._schedule.is_eager(step)
         if eager:
-            timed = self._window.is_timed(step)
-            self._profile = self._profiles[EAGER] if self._window.is_profiled(step) else None
+            timed = self._schedule.is_timed(step)
+            self._profile = self._profiles[EAGER] if self._schedule.is_profiled(step) else None
         else:
-            timed = step >= self._window.length + self._warmup_steps()
+            timed = step >= self._schedule.start_length + self._warmup_steps()
             window = self._profiles.get(COMPILED)
             self._profile = window if timed and window is not None and not window.done else None
         timed = timed and size == self._nominal_batch and self._profile is None  # profiled steps are never timed
@@ -278,7 +292,7 @@ class FuseCallback(Callback):
                 self._flops = self._step_context.enter_context(gpu.count_step_flops())
         self._step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.graph is not None:
-            self.graph.capture_allowed = step > self._window.length  # the regions compile first, capture after
+            self.graph.capture_allowed = step > self._schedule.start_length  # regions compile first, capture after
         if self.options.length_fn is not None:
             items = count_items(self.options.length_fn, batch)  # every batch, so a bad length_fn fails on the first
             if self._step_kind != SKIPPED:
@@ -345,7 +359,7 @@ class FuseCallback(Callback):
         if self._timer is None:
             return
         times = self._timer.collect()
-        self._eager_ms += times.get(EAGER, [])  # the reference, measured once at fit start, serves every epoch
+        self._eager_ms = times.get(EAGER) or self._eager_ms  # an epoch without reference steps reuses the last one
         timing = summarize({COMPILED: times.get(COMPILED, []), EAGER: self._eager_ms})
         extra = self._sampler.read_and_reset() if self._sampler else {}
         if pl_module.device.type == "cuda":

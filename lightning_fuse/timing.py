@@ -2,7 +2,7 @@
 
 A step is timed from its start to the next step's start (the whole loop iteration): on CUDA with one event per
 step queued on the current stream and read once per epoch, on CPU with ``time.perf_counter``. The eager
-reference steps are the first steps of the fit, before the model is compiled.
+reference steps are spread through every epoch (:class:`EagerSchedule`).
 
 Example::
 
@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -104,40 +105,76 @@ class StepTimer:
         return event
 
 
-class EagerWindow:
-    """The eager reference: the first steps of the fit run eagerly, before anything is compiled or captured.
+CHUNK = 5
+"""Timed eager steps in a row. Each run of them starts with one untimed eager step: the switch from compiled code."""
+MAX_EAGER_SHARE = 1 / 3
+"""At most this share of an epoch's steps run eagerly for the reference; a short epoch gets fewer reference steps."""
+UNKNOWN_EPOCH_STEPS = 1000
+"""Steps an epoch of unknown length (an iterable dataset) is planned for: its chunks fall within these."""
+
+
+class EagerSchedule:
+    """Which training steps run eagerly: a few untimed ones at fit start, then the eager reference in every epoch.
+
+    The fit starts with ``warmup`` untimed eager steps (CUDA context, library handles, allocator growth; the FLOP
+    count runs here) and ``profiled`` ones for ``profile_steps``; then the model compiles. In each epoch,
+    ``eager_steps`` timed eager steps run in chunks of up to :data:`CHUNK`, each after one untimed eager step,
+    spaced evenly over the epoch's steps after compile and warmup. The epoch's eager and compiled medians thus come
+    from the same minutes of the same run: on shared machines host-bound steps drift by 5-10% within a run, and a
+    reference taken once, at fit start, carried that drift into every epoch's speedup.
 
     Args:
-        eager_steps: Timed eager steps; ``0`` turns the reference off (the model compiles on the first step).
-        warmup: Untimed eager steps first (CUDA context, library handles, allocator growth).
+        eager_steps: Timed eager steps per epoch; ``0`` turns the reference off (the model compiles on the first
+            step, and no step runs eagerly).
+        warmup: Untimed eager steps at fit start.
         profiled: Untimed eager steps after the warmup, for ``profile_steps``.
-
-    Why first and not interleaved with compiled steps: once a CUDA graph was captured over compiled regions, each
-    eager op cost 30-150% more host time in the same process (``benchmarks/results/step_trace/``), so eager steps
-    run among compiled ones read 10-16% slower than a separate eager run and overstated the speedup.
 
     Example::
 
-        >>> window = EagerWindow(eager_steps=3, warmup=2, profiled=1)
-        >>> [window.is_eager(step) for step in range(7)]
-        [True, True, True, True, True, True, False]
-        >>> [window.is_timed(step) for step in range(7)]
-        [False, False, False, True, True, True, False]
+        >>> schedule = EagerSchedule(eager_steps=6, warmup=2)
+        >>> schedule.plan_epoch(first_step=0, steps=40, settle=1)  # 2 chunks of 3, each after a lead-in step
+        6
+        >>> [step for step in range(40) if schedule.is_eager(step)]
+        [0, 1, 10, 11, 12, 13, 28, 29, 30, 31]
+        >>> [step for step in range(40) if schedule.is_timed(step)]
+        [11, 12, 13, 29, 30, 31]
     """
 
     def __init__(self, eager_steps: int, warmup: int = 3, profiled: int = 0) -> None:
-        self.warmup = warmup
-        self.profiled = profiled
-        self.length = warmup + profiled + eager_steps if eager_steps else 0
+        self.eager_steps = eager_steps
+        self.warmup = warmup if eager_steps else 0
+        self.start_length = self.warmup + (profiled if eager_steps else 0)
+        self._timed: set[int] = set()
+        self._lead_ins: set[int] = set()
+
+    def plan_epoch(self, first_step: int, steps: int, settle: int) -> int:
+        """Place the reference chunks of the epoch whose fit steps are ``first_step`` to ``first_step + steps - 1``.
+
+        ``settle`` compiled steps after the fit-start steps get no chunk (they compile and capture). The epoch's
+        last step has no end and gets none either. Returns how many timed eager steps were placed.
+        """
+        low = max(first_step, self.start_length + settle)
+        span = first_step + steps - 1 - low
+        timed = self.eager_steps
+        while timed and timed + math.ceil(timed / CHUNK) > span * MAX_EAGER_SHARE:
+            timed -= 1
+        self._timed, self._lead_ins = set(), set()
+        chunks = math.ceil(timed / CHUNK)
+        for index in range(chunks):
+            size = timed // chunks + (index < timed % chunks)
+            lead_in = low + int((index + 0.5) * span / chunks - (size + 1) / 2)
+            self._lead_ins.add(lead_in)
+            self._timed.update(range(lead_in + 1, lead_in + 1 + size))
+        return timed
 
     def is_eager(self, fit_step: int) -> bool:
-        return fit_step < self.length
+        return fit_step < self.start_length or fit_step in self._timed or fit_step in self._lead_ins
 
     def is_profiled(self, fit_step: int) -> bool:
-        return self.warmup <= fit_step < self.warmup + self.profiled and self.is_eager(fit_step)
+        return self.warmup <= fit_step < self.start_length
 
     def is_timed(self, fit_step: int) -> bool:
-        return self.warmup + self.profiled <= fit_step < self.length
+        return fit_step in self._timed
 
 
 @dataclass

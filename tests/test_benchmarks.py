@@ -157,3 +157,16 @@ def test_argument_validation() -> None:
         peers.main(["run", "--out", "x", "--regimes", "vit:8"])
     assert peers._variants("fuse,eager") == ["eager", "fuse"], "canonical order, eager first"
     assert peers._regimes("gpt:8, resnet:16") == [("gpt", 8), ("resnet", 16)]
+
+
+def test_process_check_alternates_plain_and_fuse_fits(tmp_path: Path) -> None:
+    """``process_check.py`` on CPU: a plain fit's steps are all labelled compiled, a fuse fit has its eager chunks."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "process_check.py"), "--out", str(tmp_path), "--tiny",
+           "--backend", "aot_eager", "--batch", "4", "--steps", "60", "--order", "plain,fuse",
+           "--cache", str(tmp_path / "cache")]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
+    (record,) = [json.loads(line) for line in (tmp_path / "process_check.jsonl").read_text().splitlines()]
+    plain, fuse = record["fits"]
+    assert plain["fit"] == "plain" and set(plain) == {"fit", "wall_s", "children_cpu_s", "compiled"}
+    assert fuse["fit"] == "fuse" and fuse["eager"] > 0 and fuse["compiled"] > 0
+    assert record["steps"] == 60 and "process_check.py" in record["command"]

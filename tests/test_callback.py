@@ -1,6 +1,7 @@
 """FuseCallback inside a real Trainer on CPU: what gets compiled, same learning, checkpoints, logs."""
 
 import math
+import statistics
 import time
 
 import lightning.pytorch as pl
@@ -103,13 +104,37 @@ def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(t
     assert "fuse/summary" in "".join(events.Tags()["tensors"])  # the summary table, as TensorBoard text
 
 
-def test_the_eager_reference_is_timed_once_at_fit_start_and_serves_every_epoch():
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=6)
-    fit([fuse], epochs=2, samples=240)  # 15 steps an epoch: 3 untimed + 6 timed eager steps, then compiled ones
-    first, second = fuse.history
-    assert first["fuse/eager_step_ms"] == second["fuse/eager_step_ms"] > 0  # one reference, measured in epoch 0
-    assert first["fuse/step_ms"] > 0 and second["fuse/step_ms"] > 0
-    assert len(fuse._eager_ms) == 6
+def collected_step_times(monkeypatch) -> list[dict[str, list[float]]]:
+    """What every StepTimer.collect() returns during the test, in order (one entry per epoch)."""
+    from lightning_fuse.timing import StepTimer
+
+    collected, collect = [], StepTimer.collect
+    monkeypatch.setattr(StepTimer, "collect", lambda self: collected.append(collect(self)) or collected[-1])
+    return collected
+
+
+class ShrinkingData(ToyTask):
+    """60 steps in epoch 0, then 6: too short for an eager reference (with reload_dataloaders_every_n_epochs=1)."""
+
+    def train_dataloader(self):
+        self.samples = 960 if self.current_epoch == 0 else 96
+        return super().train_dataloader()
+
+
+def test_every_epoch_times_its_own_eager_reference_and_a_too_short_one_reuses_the_last(monkeypatch):
+    collected = collected_step_times(monkeypatch)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
+    fit([fuse], epochs=2, samples=960)  # 60 steps an epoch: 2 chunks of 3 timed eager steps in each
+    assert [len(epoch["eager"]) for epoch in collected] == [6, 6]
+    for epoch, row in enumerate(fuse.history):
+        assert row["fuse/eager_step_ms"] == pytest.approx(statistics.median(collected[epoch]["eager"]))
+    collected.clear()
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
+    pl.seed_everything(0, verbose=False)
+    trainer([fuse], max_epochs=2, reload_dataloaders_every_n_epochs=1).fit(ShrinkingData())
+    assert [len(epoch.get("eager", [])) for epoch in collected] == [6, 0]
+    assert fuse.history[1]["fuse/eager_step_ms"] == fuse.history[0]["fuse/eager_step_ms"]
+    assert fuse.history[1]["fuse/step_ms"] > 0
 
 
 class ForwardProbe(Callback):
@@ -123,15 +148,16 @@ class ForwardProbe(Callback):
         self.steps.append((torch._dynamo.eval_frame._stance.stance, installed))
 
 
-def test_eager_reference_steps_run_the_plain_modules_before_anything_compiles():
+def test_eager_steps_run_the_plain_modules_first_before_anything_compiles_then_in_chunks():
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=6)
     probe = ForwardProbe()  # after FuseCallback: sees the step as it runs
-    task, _ = fit([fuse, probe], epochs=1, samples=640)
-    stances = [stance for stance, _ in probe.steps]
-    assert stances[:9] == ["force_eager"] * 9 and "force_eager" not in stances[9:]  # 3 warmup + 6 timed, first
-    assert not any(any(installed) for _, installed in probe.steps[:9])  # no runner, no dynamo frame in between
-    assert all(all(installed) for _, installed in probe.steps[9:])
+    task, _ = fit([fuse, probe], epochs=1, samples=640)  # 40 steps: 3 eager, then 2 chunks of 1 + 3 eager steps
+    eager = [step for step, (stance, _) in enumerate(probe.steps) if stance == "force_eager"]
+    assert eager[:3] == [0, 1, 2] and len(eager) == 3 + 2 * 4 and eager[3] > 3
+    assert not any(any(installed) for _, installed in probe.steps[:3])  # no runner, no dynamo frame, nothing compiled
     assert fuse.tracker.stats("model.blocks.0").compiles >= 1
+    for step, (stance, installed) in enumerate(probe.steps):
+        assert all(installed) if step not in eager else not any(installed), step  # chunks bypass the compiled code
     assert all(b._compiled_call_impl is None for b in task.model.blocks)  # and after fit, nothing left installed
 
 
@@ -199,13 +225,19 @@ class SlowValidation(ToyTask):
 
 
 def test_a_step_runs_to_the_next_step_start_and_validation_never_enters_it(monkeypatch):
-    from lightning_fuse.timing import StepTimer
-
-    collected, collect = [], StepTimer.collect
-    monkeypatch.setattr(StepTimer, "collect", lambda self: collected.append(collect(self)) or collected[-1])
+    collected = collected_step_times(monkeypatch)
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=4)
     pl.seed_everything(0, verbose=False)
     trainer([fuse], max_epochs=1, val_check_interval=8, limit_val_batches=1).fit(SlowValidation(samples=320))
     times = [ms for kind in collected[0].values() for ms in kind]  # 20 steps, validation after steps 8, 16 and 20
     assert len(collected[0]["eager"]) == 4 and len(times) >= 10
     assert max(times) < 150  # each validation sleeps 300 ms; none of it is in a step
+
+
+def test_a_short_epoch_says_once_how_many_reference_steps_it_has_room_for(caplog):
+    with caplog.at_level("INFO"):
+        fit([FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=20)], epochs=2,
+            samples=480)  # 30 steps an epoch, 25 after compiling: room for 6 timed + 2 lead-in steps
+    said = [r.getMessage() for r in caplog.records if "at most a third of an epoch" in r.getMessage()]
+    assert said == ["FuseCallback: at most a third of an epoch runs eagerly, so an epoch of 30 steps times 6 instead "
+                    "of eager_steps=20; longer epochs or a lower eager_steps avoid this."]

@@ -145,6 +145,9 @@ def test_speedup_check_pools_runs_and_flags_a_gap(tmp_path: Path, capsys: pytest
     _write_run(tmp_path / "eager_slow", {"fuse/step_ms": [24.0] * 3})  # 20% off
     fuse = f"{tmp_path / 'fuse_1'},{tmp_path / 'fuse_2'}"
     assert check.main([f"ok={fuse}:{tmp_path / 'eager_1'},{tmp_path / 'eager_2'}"]) == 0
-    assert "| ok | 2 + 2 | 5.00 | 19.90 | 19.63 | 3.98x | 3.93x | 1.4% | PASS |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| ok | 2 + 2 | 5.00 | 19.90 | 19.63 | 3.98x | 3.93x | 1.4% | PASS |" in out
+    assert "| ok | fuse | fuse_2 | 5.00 | 22.00 | 4.40 |" in out  # each run's own medians
+    assert "| ok | eager-only | eager_1 | 17.60 | - | - |" in out
     assert check.main([f"off={fuse}:{tmp_path / 'eager_slow'}"]) == 1
     assert "FAIL" in capsys.readouterr().out

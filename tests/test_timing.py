@@ -6,20 +6,47 @@ import torch
 from lightning_fuse.metrics import epoch_metrics, summary_table
 from lightning_fuse.profiling import _union_us
 from lightning_fuse.shapes import CompileTracker
-from lightning_fuse.timing import COMPILED, EAGER, SKIPPED, EagerWindow, EpochTiming, StepTimer, summarize
+from lightning_fuse.timing import CHUNK, COMPILED, EAGER, SKIPPED, EagerSchedule, EpochTiming, StepTimer, summarize
 
 
-def test_eager_window_is_the_first_steps_of_the_fit_warmup_and_profiling_untimed():
-    window = EagerWindow(eager_steps=4, warmup=2, profiled=3)
-    assert [s for s in range(20) if window.is_eager(s)] == list(range(9))
-    assert [s for s in range(20) if window.is_profiled(s)] == [2, 3, 4]
-    assert [s for s in range(20) if window.is_timed(s)] == [5, 6, 7, 8]
-    assert window.length == 9
+def test_the_schedule_runs_warmup_and_profiled_steps_eagerly_at_fit_start_untimed():
+    schedule = EagerSchedule(eager_steps=4, warmup=2, profiled=3)
+    assert schedule.start_length == 5
+    assert [s for s in range(5) if schedule.is_eager(s)] == [0, 1, 2, 3, 4]
+    assert [s for s in range(5) if schedule.is_profiled(s)] == [2, 3, 4]
+    assert not any(schedule.is_timed(s) for s in range(5))
 
 
-def test_eager_window_off():
-    window = EagerWindow(eager_steps=0, profiled=3)
-    assert window.length == 0 and not any(window.is_eager(s) or window.is_timed(s) for s in range(10))
+def test_each_epoch_spreads_its_timed_eager_steps_in_chunks_after_an_untimed_lead_in():
+    schedule = EagerSchedule(eager_steps=20, warmup=3)
+    assert schedule.plan_epoch(first_step=0, steps=200, settle=3) == 20
+    eager = [s for s in range(200) if schedule.is_eager(s)]
+    timed = [s for s in range(200) if schedule.is_timed(s)]
+    assert eager[:3] == [0, 1, 2] and len(timed) == 20 and len(eager) == 3 + 20 + 4  # 4 chunks of 5, 4 lead-ins
+    chunks = [timed[i : i + CHUNK] for i in range(0, 20, CHUNK)]
+    assert all(chunk == list(range(chunk[0], chunk[0] + CHUNK)) for chunk in chunks)  # contiguous runs of 5
+    assert all(schedule.is_eager(chunk[0] - 1) and not schedule.is_timed(chunk[0] - 1) for chunk in chunks)
+    assert min(eager[3:]) > 6 and max(timed) < 199  # after compile and warmup; never the epoch's last step
+    gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
+    assert max(gaps) - min(gaps) <= 1  # evenly spaced over the epoch
+    assert schedule.plan_epoch(first_step=200, steps=200, settle=3) == 20  # the next epoch: its own chunks
+    assert not any(schedule.is_timed(s) for s in range(200)) and min(eager[3:]) > 6
+    assert [s for s in range(200, 400) if schedule.is_timed(s)][0] - 200 < chunks[0][0]  # no settle steps now
+
+
+def test_a_short_epoch_gets_at_most_a_third_of_its_steps_as_reference_and_a_tiny_one_none():
+    schedule = EagerSchedule(eager_steps=20, warmup=3)
+    placed = schedule.plan_epoch(first_step=100, steps=31, settle=3)
+    assert placed == 8  # 8 timed + 2 lead-ins = 10 of the epoch's 30 steps that can have an end
+    assert sum(schedule.is_eager(s) for s in range(100, 131)) == 10
+    assert schedule.plan_epoch(first_step=0, steps=8, settle=3) == 0
+    assert not any(schedule.is_eager(s) for s in range(3, 8))
+
+
+def test_eager_steps_zero_runs_nothing_eagerly():
+    schedule = EagerSchedule(eager_steps=0, profiled=3)
+    assert schedule.plan_epoch(first_step=0, steps=500, settle=1) == 0
+    assert schedule.start_length == 0 and not any(schedule.is_eager(s) or schedule.is_timed(s) for s in range(500))
 
 
 def test_cpu_timer_times_each_step_to_the_next_start_by_kind():
