@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The GPT-8L recipe with FuseCallback on 2 GPUs: DDP, then FSDP (one FSDP unit per block); one shared compile cache.
-# Usage: bash benchmarks/multi_gpu.sh OUT_DIR     (on a machine with 2 GPUs; results land in OUT_DIR, with each
-# rank's GPU utilisation per epoch in per_rank.md)
+# Usage: [STRATEGIES="ddp fsdp"] bash benchmarks/multi_gpu.sh OUT_DIR [hydra overrides...]    (on a machine with
+# 2 GPUs; results land in OUT_DIR, with each rank's GPU utilisation per epoch in per_rank.md)
 set -uo pipefail
-out=${1:?usage: bash benchmarks/multi_gpu.sh OUT_DIR}
+out=${1:?usage: bash benchmarks/multi_gpu.sh OUT_DIR [hydra overrides...]}
+shift
 mkdir -p "$out"
 cache=$(mktemp -d)  # the shared compile cache, kept out of OUT_DIR
 common=(model=gpt experiment=small_batch trainer.max_epochs=2 trainer.limit_train_batches=100 trainer.limit_val_batches=5
-        fuse.cache_dir="$cache")
-for strategy in ddp fsdp; do
+        fuse.cache_dir="$cache" "$@")
+for strategy in ${STRATEGIES:-ddp fsdp}; do
   python recipes/train.py "${common[@]}" trainer=$strategy hydra.run.dir="$out/runs/$strategy" > "$out/$strategy.log" 2>&1
   echo "$strategy exit code: $?"
   grep -E "FuseCallback plan|region\(s\)|^\| [0-9]|Error|error:" "$out/$strategy.log" | head -20

@@ -86,8 +86,8 @@ class FuseCallback(Callback):
         eager_steps: Timed eager reference steps per epoch, run with the compiled code and the graph bypassed, in
             chunks of up to 5 (each after one untimed eager step) spread evenly over the epoch, at most a third of
             its steps; ``fuse/speedup`` divides their median by the epoch's compiled median. An epoch too short for
-            any reuses the last measured reference. ``0`` turns the speedup measurement off and compiles at the
-            first step.
+            any reuses the last measured reference. Each of these steps, and each chunk's lead-in, takes as long as
+            ``speedup`` compiled steps. ``0`` turns the speedup measurement off and compiles at the first step.
         gpu_sample_hz: NVML sampling rate for GPU utilisation; ``0`` disables it.
         profile_steps: Once per fit, after warmup, profile this many compiled and as many eager steps with
             ``torch.profiler`` (CUDA only; never timed) and log ``fuse/kernels_per_step``,
@@ -274,6 +274,8 @@ class FuseCallback(Callback):
         size = batch_size(batch)
         self._nominal_batch = max(self._nominal_batch, size)
         step = self._fit_steps
+        if step == self._schedule.start_length > 0:
+            self._drop_stale_grads(trainer, pl_module)
         eager = self._schedule.is_eager(step)
         if eager:
             timed = self._schedule.is_timed(step)
@@ -310,6 +312,17 @@ class FuseCallback(Callback):
             self._profile.step_end()
         self._end_step_context()
         self._fit_steps += 1
+
+    def _drop_stale_grads(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Before the regions' first compiled step, set the gradients the eager steps left to ``None``.
+
+        Dynamo traces each parameter with its ``.grad``; under FSDP with bf16 mixed precision that fails ("attempting
+        to assign a gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'") and every region fell back
+        to eager. Lightning would set these gradients to ``None`` after this step's forward anyway, so nothing
+        changes, except with gradient accumulation or manual optimization, where they are kept.
+        """
+        if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
+            pl_module.zero_grad(set_to_none=True)
 
     def _installed_modules(self) -> list[torch.nn.Module]:
         """The modules that carry a runner or the graph (bypassed during eager reference steps)."""

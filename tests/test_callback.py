@@ -241,3 +241,24 @@ def test_a_short_epoch_says_once_how_many_reference_steps_it_has_room_for(caplog
     said = [r.getMessage() for r in caplog.records if "at most a third of an epoch" in r.getMessage()]
     assert said == ["FuseCallback: at most a third of an epoch runs eagerly, so an epoch of 30 steps times 6 instead "
                     "of eager_steps=20; longer epochs or a lower eager_steps avoid this."]
+
+
+class GradProbe(Callback):
+    """Records, at each step start, whether any parameter still holds a gradient from the step before."""
+
+    def __init__(self):
+        self.has_grad = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.has_grad.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_first_compiled_step_starts_without_stale_gradients_unless_they_accumulate(accumulate):
+    """Dynamo traces parameters with their .grad, which fails under FSDP's bf16 gradients: drop them first."""
+    probe = GradProbe()  # after FuseCallback: sees the step as it starts
+    fit([FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4), probe], epochs=1,
+        samples=320, accumulate_grad_batches=accumulate)  # fmt: skip
+    assert probe.has_grad[1:3] == [True, True]  # the eager steps keep Lightning's own order
+    assert probe.has_grad[3] is (accumulate > 1)  # step 3 compiles: its stale gradients are gone, unless accumulating
+    assert probe.has_grad[4] is True
