@@ -17,6 +17,7 @@ train() {  # regime fuse index
   python recipes/train.py "${common[@]}" experiment=$1 fuse=$2 hydra.run.dir="$out/runs/$name" \
     > "$out/$name.log" 2>&1 || { echo "run $name failed:"; tail -30 "$out/$name.log"; }
 }
+side() { ls -d "$out"/runs/${1}_${2}_*/tb | paste -sd, -; }  # regime fuse: its runs' TensorBoard folders
 checks=()
 for regime in $regimes; do
   for i in $(seq 1 "$runs"); do
@@ -24,8 +25,7 @@ for regime in $regimes; do
     if (( ones == 0 )); then train $regime auto $i; train $regime measure_only $i
     else train $regime measure_only $i; train $regime auto $i; fi
   done
-  side() { ls -d "$out"/runs/${regime}_${1}_*/tb | paste -sd, -; }
-  checks+=("$regime=$(side auto):$(side measure_only)")
+  checks+=("$regime=$(side $regime auto):$(side $regime measure_only)")
 done
 python -m lightning_fuse.report report "$out"/runs/*/tb --format md --plot "$out/recipes.png" | tee "$out/report.md"
 python benchmarks/speedup_check.py "${checks[@]}" | tee "$out/speedup_check.md"
