@@ -10,8 +10,8 @@ plain steps, or of the fuse fit's compiled and in-run eager steps, with the CPU 
     python benchmarks/process_check.py --out $OUT/process --batch 8 --order plain,fuse,plain,fuse,plain
 
 Steps are timed start to next start with FuseCallback's own :class:`~lightning_fuse.timing.StepTimer`, labelled by
-whether they ran under ``force_eager`` (``eager``) or not (``compiled``: so every step of a plain fit); the first 10
-of each label are left out.
+whether they ran under ``force_eager`` (``eager``: the reference chunks, their lead-in steps included) or not
+(``compiled``: so every step of a plain fit); the first 10 of each label are left out.
 """
 
 from __future__ import annotations
