@@ -250,7 +250,7 @@ class FuseCallback(Callback):
             if not self._sampler.start():
                 self._sampler = None
 
-    # ------------------------------------------------------------------ each step: shapes, eager window, timing
+    # ------------------------------------------------------------------ each step: shapes, eager schedule, timing
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._timer.reserve(int(min(trainer.num_training_batches, 4096)))

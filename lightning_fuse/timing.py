@@ -1,4 +1,4 @@
-"""Step timers that never synchronise per step, and the window of eager reference steps.
+"""Step timers that never synchronise per step, and the schedule of eager reference steps.
 
 A step is timed from its start to the next step's start (the whole loop iteration): on CUDA with one event per
 step queued on the current stream and read once per epoch, on CPU with ``time.perf_counter``. The eager
