@@ -1,6 +1,7 @@
 """A callback that writes every training step's time to a JSON file: how step times settle after a fit starts.
 
-A diagnostic for the eager reference (FuseCallback times it over the first steps of the fit). Add it to a recipe::
+A diagnostic for the eager reference (session 3 timed it over the first steps of the fit; it now runs in chunks
+in every epoch). Add it to a recipe::
 
     python recipes/train.py model=gpt trainer=gpu fuse=measure_only \
         +callbacks.steps._target_=benchmarks.step_log.StepLog +callbacks.steps.path=$OUT/steps.json
