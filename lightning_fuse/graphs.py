@@ -1,10 +1,19 @@
-"""One CUDA graph over a module's forward and backward, replayed whenever the input shapes match the capture.
+"""One CUDA graph over a module's forward and backward, for any call signature, that cannot cost the run.
 
 Small models spend most of a training step launching kernels from the CPU; per-region graphs (``mode=
-"reduce-overhead"``) still launch once per region and copy at every region boundary. Capturing the whole module
-(compiled regions included) with :func:`torch.cuda.make_graphed_callables` replays the forward and the backward as
-one launch each. Batches of another shape (a partial last batch), eval mode, and eager reference steps run the
-module as usual, so nothing is lost when the graph does not apply.
+"reduce-overhead"``) still launch once per region and copy at every region boundary. :class:`GraphedModule`
+captures the whole module (compiled regions included) with :func:`torch.cuda.make_graphed_callables` and replays
+the forward and the backward as one launch each.
+
+Third-party models are called with keyword arguments and return ``ModelOutput``s, dicts or tuples holding
+``None``: the call's inputs and outputs are flattened with torch's pytree utilities, only the tensor leaves live in
+the graph, and the rest is rebuilt around each replay. An output leaf that is neither a tensor nor a plain value (a
+cache object, say) leaves the module uncaptured, with a one-line reason. Before capturing, two eager probes run the
+module on the captured inputs: the first compiles every region for these shapes and records the output's shape;
+the second must not compile and, on CUDA, runs with host syncs raising (CPU tensors copied in forward, ``.item()``):
+what would fail inside a capture fails here, harmlessly. If the capture fails anyway, the RNG state, buffers,
+gradients and the autocast cache are restored and the module runs as before. Batches of another signature, eval
+mode, and eager reference steps run the module as usual.
 
 Example::
 
@@ -19,17 +28,27 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_fuse.compiler import forced_eager
+from lightning_fuse import compat
+from lightning_fuse.compiler import describe_error, forced_eager
 from lightning_fuse.regions import has_params, is_metric
+from lightning_fuse.state import Snapshot
 
-Signature = tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+PLAIN = (bool, int, float, str, type(None))
+"""Non-tensor leaves a replay can hand back as they were at capture time."""
+
+
+class Uncapturable(Exception):
+    """The module's call cannot live in a CUDA graph; the message says why in one line."""
 
 
 def graph_target(root: nn.Module) -> tuple[str, nn.Module]:
@@ -47,16 +66,97 @@ def graph_target(root: nn.Module) -> tuple[str, nn.Module]:
     return max(children, key=lambda item: sum(p.numel() for p in item[1].parameters()))
 
 
+class FlatCall(nn.Module):
+    """``module(*args, **kwargs)`` as a function of the call's tensor leaves alone, returning tensor leaves alone.
+
+    ``make_graphed_callables`` takes and returns tensors only; this adapter carries the rest (the pytree
+    structure, keyword names, non-tensor inputs and outputs) around it. The module is held as a child, so its
+    parameters are the graph's parameters (frozen ones get no gradient).
+
+    Args:
+        module: The module to call.
+        run: How to call it (its installed compiled call, or its plain call).
+        args: The positional arguments of the call to capture.
+        kwargs: Its keyword arguments.
+
+    Raises:
+        Uncapturable: From :meth:`forward`, if the output holds a leaf that is neither a tensor nor a plain value.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> flat = FlatCall(lin, lin._call_impl, (), {"input": torch.ones(1, 2)})
+        >>> outs = flat(*flat.tensors((), {"input": torch.ones(1, 2)}))
+        >>> flat.rebuild(outs).shape
+        torch.Size([1, 2])
+    """
+
+    def __init__(self, module: nn.Module, run: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.target = module
+        self._run = run
+        leaves, self._in_spec = compat.tree_flatten((args, kwargs))
+        self._in_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self._in_constants = leaves
+        self._out_spec: Any = None
+        self._out_leaves: list[tuple[bool, Any]] = []  # (is a tensor, the plain value)
+
+    def tensors(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        leaves, _ = compat.tree_flatten((args, kwargs))
+        return tuple(leaves[i] for i in self._in_slots)
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(self._in_constants)
+        for slot, tensor in zip(self._in_slots, tensors):
+            leaves[slot] = tensor
+        args, kwargs = compat.tree_unflatten(leaves, self._in_spec)
+        out_leaves, self._out_spec = compat.tree_flatten(self._run(*args, **kwargs))
+        odd = [type(leaf).__name__ for leaf in out_leaves if not isinstance(leaf, (torch.Tensor, *PLAIN))]
+        if odd:
+            raise Uncapturable(f"its output holds a {odd[0]}, which a graph replay cannot rebuild")
+        self._out_leaves = [(isinstance(leaf, torch.Tensor), None if isinstance(leaf, torch.Tensor) else leaf)
+                            for leaf in out_leaves]  # fmt: skip
+        return tuple(leaf for leaf in out_leaves if isinstance(leaf, torch.Tensor))
+
+    def rebuild(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        """The module's output from the replayed tensor leaves and the plain leaves seen at capture."""
+        replayed = iter(tensors)
+        leaves = [next(replayed) if is_tensor else leaf for is_tensor, leaf in self._out_leaves]
+        return compat.tree_unflatten(leaves, self._out_spec)
+
+
+def call_signature(args: tuple, kwargs: dict) -> tuple:
+    """What a replay must match: the call's structure, each tensor's shape, dtype and ``requires_grad``, and the
+    value of every plain non-tensor input (other objects by identity).
+
+    Example::
+
+        >>> call_signature((torch.ones(2),), {"flag": True}) == call_signature((torch.zeros(2),), {"flag": True})
+        True
+    """
+    leaves, spec = compat.tree_flatten((args, kwargs))
+    return (spec, tuple(_leaf_key(leaf) for leaf in leaves))
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad)
+    return leaf if isinstance(leaf, PLAIN) else ("object", id(leaf))
+
+
 class GraphedModule:
-    """Routes a module's training forward through one captured CUDA graph when the shapes allow it.
+    """Routes a module's training forward through one captured CUDA graph when the call's signature allows it.
 
     Args:
         name: The module's dotted name (for messages).
         module: The module whose ``forward`` (and backward) is captured.
+        capture: ``make_graphed_callables``-like function (injectable, so the bookkeeping is testable on a CPU).
+        on_device: Whether a tensor input may enter the graph (CUDA tensors by default).
+        compiles: Returns the number of compiles so far; a probe that compiles twice is not captured.
 
     The graph is captured on the first eligible call after :attr:`capture_allowed` is set: training mode, grad
-    enabled, not under ``set_stance("force_eager")``, only CUDA tensor positional arguments. A failed capture
-    warns once and the module runs as before.
+    enabled, not under ``set_stance("force_eager")``, every tensor input on the device. A module that cannot be
+    captured (:attr:`disabled_reason` says why) runs as before.
 
     Example::
 
@@ -64,81 +164,176 @@ class GraphedModule:
         False
     """
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        capture: Callable[..., Any] | None = None,
+        on_device: Callable[[torch.Tensor], bool] = lambda tensor: tensor.is_cuda,
+        compiles: Callable[[], int] = lambda: 0,
+        max_graphs: int = 1,
+    ) -> None:
         self.name = name
         self.module = module
         self.capture_allowed = False
         self.captured_during_last_call = False
         self.replays = 0
         self.disabled_reason: str | None = None
-        self._graphed: Any = None
-        self._signature: Signature | None = None
+        self._capture_fn = capture or torch.cuda.make_graphed_callables
+        self._on_device = on_device
+        self._compiles = compiles
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # call signature -> (its adapter, its replay)
         self._inner: Any = None
         self._capturing = False
 
+    @property
+    def captured(self) -> bool:
+        return bool(self._graphs)
+
+    @property
+    def graphs(self) -> int:
+        """How many graphs are captured (one per call signature, at most ``max_graphs``)."""
+        return len(self._graphs)
+
     def install(self) -> None:
-        # Sit where Module.compile sits (``_compiled_call_impl``), outside any compiled region of the module itself,
-        # so the capture decision runs in Python even when the whole module is compiled.
-        self._inner = self.module._compiled_call_impl
-        self.module._compiled_call_impl = self
+        # Sit where Module.compile sits, outside any compiled region of the module itself, so the capture decision
+        # runs in Python even when the whole module is compiled.
+        self._inner = compat.compiled_call_impl(self.module)
+        compat.set_compiled_call_impl(self.module, self)
 
     def uninstall(self) -> None:
-        if self.module._compiled_call_impl is self:
-            self.module._compiled_call_impl = self._inner
-        self._graphed = None
+        if compat.compiled_call_impl(self.module) is self:
+            compat.set_compiled_call_impl(self.module, self._inner)
+
+    def release(self) -> None:
+        """Drop every captured graph (their memory pools go with them)."""
+        self._graphs.clear()
+        gc.collect()
+
+    def disable(self, reason: str) -> None:
+        """Run without the graph for the rest of the fit, with one warning saying why."""
+        if self.disabled_reason is None:
+            self.disabled_reason = reason
+            self.release()
+            rank_zero_warn(f"FuseCallback: no CUDA graph over {self.name!r}: {reason}. It runs without one.")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.captured_during_last_call = False
-        if self._capturing or kwargs or not self._eligible(args):
-            return self._run_inner(*args, **kwargs)
-        if self._graphed is None:
-            if not self.capture_allowed:
-                return self._run_inner(*args)
-            self._capture(args)
-            if self._graphed is None:
-                return self._run_inner(*args)
-            self.captured_during_last_call = True
-        if _signature(args) != self._signature:
-            return self._run_inner(*args)
+        if self._capturing or not self._eligible(args, kwargs):
+            return self.run_inner(*args, **kwargs)
+        signature = call_signature(args, kwargs)
+        if signature not in self._graphs and self.capture_allowed and len(self._graphs) < self.max_graphs:
+            self._capture(signature, args, kwargs)
+            self.captured_during_last_call = signature in self._graphs
+        if signature not in self._graphs:
+            return self.run_inner(*args, **kwargs)
+        flat, graphed = self._graphs[signature]
+        try:
+            out = flat.rebuild(graphed(*flat.tensors(args, kwargs)))
+        except Exception as err:  # noqa: BLE001 - a replay that fails costs the graph, never the run
+            self.disable(f"its replay failed ({describe_error(err)})")
+            return self.run_inner(*args, **kwargs)
         self.replays += 1
-        return self._graphed(*args)
+        return out
 
-    def _run_inner(self, *args: Any, **kwargs: Any) -> Any:
+    def run_inner(self, *args: Any, **kwargs: Any) -> Any:
         """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""
         return (self._inner or self.module._call_impl)(*args, **kwargs)
 
-    def _eligible(self, args: tuple) -> bool:
-        return (
-            self.disabled_reason is None
-            and self.module.training
-            and torch.is_grad_enabled()
-            and not forced_eager()
-            and bool(args)
-            and all(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
-        )
+    def _eligible(self, args: tuple, kwargs: dict) -> bool:
+        if self.disabled_reason is not None or not self.module.training or not torch.is_grad_enabled():
+            return False
+        tensors = [leaf for leaf in compat.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        return bool(tensors) and not forced_eager() and all(self._on_device(t) for t in tensors)
 
-    def _capture(self, args: tuple) -> None:
-        buffers = [b.detach().clone() for b in self.module.buffers()]
-        self._capturing = True  # make_graphed_callables calls the module: those calls must reach the inner module
+    def _capture(self, signature: tuple, args: tuple, kwargs: dict) -> None:
+        flat = FlatCall(self.module, self.run_inner, args, kwargs)
+        tensors = flat.tensors(args, kwargs)
+        self._capturing = True  # the capture calls the module: those calls must reach the inner module
         try:
-            torch.cuda.make_graphed_callables(self.module, args, num_warmup_iters=3)
-            with torch.no_grad():  # its warmup ran real forwards: undo their batch-norm statistics updates
-                for buffer, saved in zip(self.module.buffers(), buffers):
-                    buffer.copy_(saved)
-            self._graphed = self.module.__dict__.pop("forward")  # it patched forward; we replay it ourselves
-            release_capture_graph(self._graphed)
-            self._signature = _signature(args)
-            rank_zero_info(f"FuseCallback: captured one CUDA graph over {self.name!r} forward+backward.")
+            with restored_on_failure(self.module):
+                self._probe(flat, tensors)
+                graphed = self._capture_fn(flat, tensors, num_warmup_iters=3)
+            graphed = graphed.__dict__.pop("forward") if isinstance(graphed, nn.Module) else graphed
+            release_capture_graph(graphed)
+            self._graphs[signature] = (flat, graphed)
+            rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward "
+                           f"({len(self._graphs)} of at most {self.max_graphs}).")  # fmt: skip
+        except Uncapturable as err:
+            self.disable(str(err))
         except Exception as err:  # noqa: BLE001 - a capture failure must not cost the run
-            self.module.__dict__.pop("forward", None)
-            self.disabled_reason = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
-            rank_zero_warn(
-                f"FuseCallback: could not capture a CUDA graph over {self.name!r} ({self.disabled_reason}); it runs "
-                "without one. Typical causes: a host sync (.item(), printing a tensor) or a data-dependent shape in "
-                "forward. Pass cuda_graph=False to silence this."
-            )
+            self.disable(f"the capture failed ({describe_error(err)})")
         finally:
             self._capturing = False
+
+    def _probe(self, flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:
+        """Two eager forward+backward passes outside any capture; what would fail inside one fails here."""
+        _forward_backward(flat, tensors)  # compiles every region for these shapes; checks the output's leaves
+        before = self._compiles()
+        with host_syncs_raise(any(t.is_cuda for t in tensors)):
+            _forward_backward(flat, tensors)
+        if self._compiles() != before:
+            raise Uncapturable("its compiled regions compile again at every call, so they cannot be captured")
+
+
+def _forward_backward(flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:
+    outputs = [o for o in flat(*tensors) if o.requires_grad]
+    inputs = [i for i in (*tensors, *flat.parameters()) if i.requires_grad]
+    if outputs and inputs:  # autograd.grad leaves every .grad untouched
+        torch.autograd.grad(outputs, inputs, [torch.ones_like(o) for o in outputs], allow_unused=True)
+
+
+@contextmanager
+def restored_on_failure(module: nn.Module) -> Iterator[None]:
+    """Whatever the block raises, leave the process as it was: RNG states, the module's buffers and gradients, the
+    autocast cache, the graph's memory; buffers are restored on success too (warmup forwards update batch-norm
+    statistics).
+
+    Example::
+
+        >>> bn = torch.nn.BatchNorm1d(2)
+        >>> with restored_on_failure(bn):
+        ...     _ = bn(torch.randn(4, 2))
+        >>> bn.running_mean.tolist()
+        [0.0, 0.0]
+    """
+    snapshot = Snapshot(module)
+    try:
+        yield
+    except BaseException:
+        gc.collect()  # the failed graph and its private memory pool
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a capture that failed on the device says so here, not in the next step
+            torch.cuda.empty_cache()
+        snapshot.restore_rng()  # also ends a generator's capture state left behind by the failed capture
+        snapshot.restore_grads()
+        torch.clear_autocast_cache()
+        raise
+    finally:
+        snapshot.restore_buffers()
+
+
+@contextmanager
+def host_syncs_raise(on: bool) -> Iterator[None]:
+    """Inside the block (``on``: a CUDA run), an operation that makes the host wait for the device raises, as it
+    would inside a capture: ``.item()``, a CPU tensor copied to the GPU, a data-dependent shape.
+
+    Example::
+
+        >>> with host_syncs_raise(False):
+        ...     torch.ones(1).item()
+        1.0
+    """
+    if not on:
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
 
 
 def release_capture_graph(graphed: Any) -> int:
@@ -148,8 +343,8 @@ def release_capture_graph(graphed: Any) -> int:
     ``make_graphed_callables`` keeps its captured forward outputs, and with them the autograd graph of the capture,
     including each parameter's ``AccumulateGrad`` node, made on its side stream. A node accumulates on the stream it
     was made on, so while it lives every backward accumulates each gradient on that side stream, with a
-    cross-stream sync per parameter (torch warns "The AccumulateGrad node's stream does not match ..."). The replay
-    never uses that graph: detached, the nodes are freed and the next forward makes new ones on its own stream.
+    cross-stream sync per parameter. The replay never uses that graph: detached, the nodes are freed and the next
+    forward makes new ones on its own stream.
 
     Example::
 
@@ -167,7 +362,7 @@ def release_capture_graph(graphed: Any) -> int:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.grad_fn is not None and not obj._is_view():
+            if obj.grad_fn is not None and not compat.is_view(obj):
                 obj.detach_()
                 detached += 1
         elif isinstance(obj, (tuple, list)):
@@ -187,7 +382,3 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _signature(args: tuple) -> Signature:
-    return tuple((tuple(a.shape), a.dtype, a.requires_grad) for a in args)

@@ -1,66 +1,235 @@
-"""Choosing the plan: how the selected regions are compiled, and whether a CUDA graph covers the step.
+"""The plans: ways to run the network, each a small object that installs itself on the model and uninstalls itself.
 
-The rule follows our H100 measurements (``benchmarks/RESULTS.md``, ``shared/perf-notes.md``): a training step of
-a small model is bound by kernel launches on the CPU even at large batch, so on CUDA the default plan compiles the
-regions for fusion (``mode="default"``, which leaves CUDA graphs to us) and captures one CUDA graph over the whole
-forward and backward of the model, which removes the launch overhead that per-region graphs cannot. On a CPU
-there is nothing to graph and the regions are compiled with inductor's default mode.
+A plan is one of: ``eager``; ``regions`` (the selected submodules compiled in place); ``regions+graph`` (those
+regions plus one CUDA graph over the network's forward and backward); ``graph`` (that graph over the eager
+network); ``reduce-overhead`` (the whole network compiled with torch's CUDA graphs); ``compile`` (the whole network
+compiled, no graph). :func:`candidates` lists, most promising first, those that make sense for the device and the
+number of processes; :func:`forced_plan` builds the one an explicit ``mode``/``cuda_graph``/``targets`` asks for.
+Which candidate runs is measured (:mod:`lightning_fuse.search`).
 
 Example::
 
-    >>> choose_plan("auto", "auto", torch.device("cpu")).describe()
-    'regions: torch.compile(mode=default); CUDA graph: off (no CUDA device)'
+    >>> import torch
+    >>> from lightning_fuse.regions import Region
+    >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> setting = Setting([Region("0", net[0])], ("net", net), CompileOptions(backend="eager"), torch.device("cpu"))
+    >>> [plan.name for plan in candidates(setting)]
+    ['eager', 'regions', 'compile']
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
+from torch import nn
+
+from lightning_fuse import compat
+from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, compile_regions, uncompile_regions
+from lightning_fuse.graphs import GraphedModule
+from lightning_fuse.regions import Region
+from lightning_fuse.shapes import CompileTracker
 
 AUTO = "auto"
+GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+"""torch.compile modes that capture torch's own CUDA graphs; a second graph around them cannot be captured."""
 
 
-@dataclass(frozen=True)
+@dataclass
+class Setting:
+    """What every plan is built from: the regions, the network (the graph target), the compile arguments."""
+
+    regions: list[Region]
+    target: tuple[str, nn.Module]
+    options: CompileOptions
+    device: torch.device
+    tracker: CompileTracker = field(default_factory=CompileTracker)
+    policy: RegionPolicy = field(default_factory=RegionPolicy)
+    world_size: int = 1
+    max_graphs: int = 1
+    """CUDA graphs a graph plan may capture, one per batch signature (one per bucket with ``pad_buckets``)."""
+
+
 class Plan:
-    """What FuseCallback does to the model for this run."""
+    """A way to run the network. Subclasses install themselves on the model and uninstall themselves.
 
-    compile_mode: str | None
-    """The torch.compile ``mode`` of every region (``None``: torch's default)."""
-    cuda_graph: bool
-    """Capture one CUDA graph over the model's forward and backward."""
-    reason: str
-    dynamic: bool | None = None
-    """``dynamic`` for torch.compile: ``False`` under a CUDA graph, whose shapes are static anyway; this also stops
-    dynamo from turning dims dynamic when blocks of one class run at several shapes (a CNN's stages)."""
+    Example::
+
+        >>> plan = Plan(); plan.install(); plan.name, plan.failure, plan.modules()
+        ('eager', None, [])
+    """
+
+    name = "eager"
+    reason = ""
+    """Why this plan runs, for the plan line (e.g. "chosen by measurement", "mode='default'")."""
+    dominated_by: tuple[str, ...] = ()
+    """Plans that do all this one does and more: once one of them ran faster than eager, this one is not tried."""
+
+    def install(self) -> None:
+        """Put the plan on the model."""
+
+    def uninstall(self) -> None:
+        """Take it off (the work it compiled or captured is kept, for a later :meth:`install`)."""
+
+    def step_begin(self) -> None:
+        """Called before every step that runs this plan."""
+
+    def release(self) -> None:
+        """Free what the plan holds but will not run again (a losing candidate's CUDA graphs and their memory)."""
+
+    def modules(self) -> list[nn.Module]:
+        """The modules carrying something of this plan (bypassed by the eager reference steps)."""
+        return []
+
+    @property
+    def failure(self) -> str | None:
+        """Why the plan is not what it claims (its graph was not captured, every region fell back), else None."""
+        return None
+
+    @property
+    def compiled_regions(self) -> list[str]:
+        return []
+
+    @property
+    def runners(self) -> list[CompiledRegion]:
+        return []
 
     def describe(self) -> str:
-        graph = "on" if self.cuda_graph else "off"
-        return f"regions: torch.compile(mode={self.compile_mode or 'default'}); CUDA graph: {graph} ({self.reason})"
+        return f"{self.name} ({self.reason})" if self.reason else self.name
 
 
-def choose_plan(
-    mode: str, cuda_graph: bool | str, device: torch.device, world_size: int = 1, dynamic: bool | None = None
-) -> Plan:
-    """Resolve ``mode="auto"`` and ``cuda_graph="auto"`` for ``device``; explicit settings are kept.
+class Regions(Plan):
+    """The regions compiled in place, and optionally one CUDA graph over the network's forward and backward."""
+
+    def __init__(self, setting: Setting, graph: bool) -> None:
+        self.setting = setting
+        self.name = "regions+graph" if graph else "regions"
+        self.dominated_by = () if graph else ("regions+graph",)
+        options = setting.options
+        if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
+            options = replace(options, dynamic=False)
+        self._runners = compile_regions(setting.regions, options, setting.tracker, setting.policy)
+        uncompile_regions(self._runners)  # built now, installed by install()
+        name, module = setting.target
+        self.graph = GraphedModule(name, module, compiles=lambda: setting.tracker.total_compiles,
+                                   max_graphs=setting.max_graphs) if graph else None  # fmt: skip
+
+    def install(self) -> None:
+        for runner in self._runners:
+            runner.install()
+        if self.graph is not None:
+            self.graph.install()
+            self.graph.capture_allowed = True
+
+    def uninstall(self) -> None:
+        if self.graph is not None:
+            self.graph.uninstall()
+        uncompile_regions(self._runners)
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.release()
+
+    def modules(self) -> list[nn.Module]:
+        modules = [runner.region.module for runner in self._runners]
+        return modules + [self.graph.module] if self.graph is not None else modules
+
+    @property
+    def runners(self) -> list[CompiledRegion]:
+        return self._runners
+
+    @property
+    def compiled_regions(self) -> list[str]:
+        return [runner.name for runner in self._runners if runner.is_compiled]
+
+    @property
+    def failure(self) -> str | None:
+        if self.graph is not None and self.graph.disabled_reason is not None:
+            return f"no graph: {self.graph.disabled_reason}"
+        if self._runners and not any(runner.fallback_reason is None for runner in self._runners):
+            return f"every region fell back: {self._runners[0].fallback_reason}"
+        return None
+
+
+class Graph(Regions):
+    """One CUDA graph over the eager network's forward and backward: no compile, captured in about a second."""
+
+    def __init__(self, setting: Setting) -> None:
+        super().__init__(replace(setting, regions=[]), graph=True)
+        self.name = "graph"
+        self.dominated_by = ("regions+graph",)
+
+
+class Whole(Regions):
+    """The whole network compiled as one region: ``mode="reduce-overhead"`` (torch's CUDA graphs) or default."""
+
+    def __init__(self, setting: Setting, mode: str | None) -> None:
+        name, module = setting.target
+        options = replace(setting.options, mode=mode, options=None if mode else setting.options.options)
+        super().__init__(replace(setting, regions=[Region(name, module)], options=options), graph=False)
+        self.mode = mode
+        self.name = mode if mode in GRAPHING_MODES else "compile"
+        self.dominated_by = ("reduce-overhead", "regions") if self.name == "compile" else ()
+
+    def step_begin(self) -> None:
+        if self.mode in GRAPHING_MODES:
+            # cudagraph trees: a new training iteration begins, so last step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+
+
+class UserCompiled(Plan):
+    """The user compiled the network before the fit (``model.compile()``): nothing is compiled twice; the eager
+    reference steps bypass the user's compiled code, so ``fuse/speedup`` measures the user's compile."""
+
+    name = "user-compiled"
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self._modules = modules
+        self.reason = f"{len(modules)} module(s) already compiled before the fit; FuseCallback only measures"
+
+    def modules(self) -> list[nn.Module]:
+        return self._modules
+
+
+def user_compiled(root: nn.Module) -> list[nn.Module]:
+    """The submodules of ``root`` the user compiled before the fit (``Module.compile`` or ``torch.compile``)."""
+    return [m for m in root.modules() if compat.compiled_call_impl(m) is not None or hasattr(m, "_orig_mod")]
+
+
+def candidates(setting: Setting) -> list[Plan]:
+    """The plans worth measuring for this device and process count, most promising first (eager always first).
+
+    CUDA graphs need one process (gradients of several sync outside any graph) and a CUDA device.
+    """
+    plans: list[Plan] = [Plan()]
+    graphs = setting.device.type == "cuda" and setting.world_size == 1
+    whole_is_regions = [r.module for r in setting.regions] == [setting.target[1]]
+    if graphs:
+        plans += [Regions(setting, graph=True), Whole(setting, "reduce-overhead"), Graph(setting)]
+    if setting.regions:
+        plans.append(Regions(setting, graph=False))
+    if not whole_is_regions:
+        plans.append(Whole(setting, None))
+    return plans
+
+
+def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:
+    """The one plan explicit settings ask for: the regions in ``mode``, with a graph unless it cannot or is off.
 
     Raises:
         ValueError: If ``cuda_graph=True`` is asked for with several processes (DDP/FSDP).
     """
+    if cuda_graph is True and setting.world_size > 1:
+        raise ValueError(
+            f"cuda_graph=True runs in a single process, but this run has {setting.world_size} (DDP/FSDP). Use "
+            "cuda_graph='auto' (off in multi-process runs) or False."
+        )
     compile_mode = None if mode in (AUTO, "default") else mode
-    if device.type != "cuda":
-        return Plan(compile_mode, False, "no CUDA device", dynamic)
-    if world_size > 1:
-        if cuda_graph is True:
-            raise ValueError(
-                f"cuda_graph=True runs in a single process, but this run has {world_size} (DDP/FSDP). Use "
-                "cuda_graph='auto' (off in multi-process runs) or False."
-            )
-        return Plan(compile_mode, False, f"{world_size} processes: gradients sync outside any graph", dynamic)
-    if compile_mode in ("reduce-overhead", "max-autotune"):
-        # torch's own CUDA graphs (cudagraph trees) are already on; a second graph around them cannot be captured
-        return Plan(compile_mode, False, f"mode={mode} uses torch's per-region CUDA graphs", dynamic)
-    if cuda_graph is False:
-        return Plan(compile_mode, False, "cuda_graph=False", dynamic)
-    reason = "cuda_graph=True" if cuda_graph is True else "auto: launch overhead dominates small models on CUDA"
-    return Plan(compile_mode, True, reason, False if dynamic is None else dynamic)
+    setting = replace(setting, options=replace(setting.options, mode=compile_mode))
+    graph = (
+        setting.device.type == "cuda" and setting.world_size == 1 and cuda_graph is not False
+        and compile_mode not in GRAPHING_MODES
+    )  # fmt: skip
+    plan = Regions(setting, graph=graph)
+    plan.reason = f"mode={mode!r}, cuda_graph={cuda_graph!r}"
+    return plan

@@ -16,7 +16,7 @@ from tests.toy import ToyTask, trainer  # noqa: E402
 
 if __name__ == "__main__":
     pl.seed_everything(0, verbose=False)
-    fuse = FuseCallback(cache_dir=sys.argv[1], eager_steps=0)
+    fuse = FuseCallback(cache_dir=sys.argv[1], mode="default", eager_steps=0)
     trainer([fuse], max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0).fit(ToyTask())
     last = fuse.history[-1]
     print(json.dumps({

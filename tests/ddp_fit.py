@@ -1,10 +1,12 @@
 """A 2-process CPU DDP fit (gloo) with FuseCallback; each rank writes what it saw to ``OUT/rank<N>.json``.
 
-Run by tests/test_ddp.py as ``python tests/ddp_fit.py OUT CACHE_DIR``. Lightning's DDP launcher starts rank 1 by
+Run by tests/test_ddp.py as ``python tests/ddp_fit.py OUT CACHE_DIR``. On rank 1 only, the ``regions``
+candidate of the plan search is made to fail, so the test can check that it is dropped on both ranks. Lightning's DDP launcher starts rank 1 by
 running this same command again, so everything a rank needs comes from the command line.
 """
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -15,12 +17,15 @@ import torch  # noqa: E402
 from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 
 from lightning_fuse import FuseCallback  # noqa: E402
+from lightning_fuse.plan import Regions  # noqa: E402
 from tests.faults import FuseProbe  # noqa: E402
 from tests.toy import RecordingTask, trainer  # noqa: E402
 
 if __name__ == "__main__":
     out, cache_dir = Path(sys.argv[1]), Path(sys.argv[2])
     torch.manual_seed(0)
+    if os.environ.get("LOCAL_RANK") == "1":
+        Regions.failure = property(lambda plan: "injected on rank 1" if plan.name == "regions" else None)
     task = RecordingTask()
     fuse = FuseCallback(backend="aot_eager", cache_dir=cache_dir, eager_steps=0)
     probe = FuseProbe(fuse)
@@ -32,7 +37,9 @@ if __name__ == "__main__":
     (out / f"rank{t.global_rank}.json").write_text(json.dumps({
         "world_size": t.world_size,
         "losses": task.losses,
-        "compiled_first_step": probe.compiled_per_step[0],
+        "plan": fuse.plan.name,
+        "trials": [(t.name, t.outcome) for t in fuse.decision.trials],
+        "compiled_second_step": probe.compiled_per_step[1],
         "compiles": fuse.tracker.total_compiles,
         "history_epochs": [row["epoch"] for row in fuse.history],
         "cache_loaded": fuse.cache.loaded,

@@ -12,6 +12,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_fuse import FuseCallback
+from lightning_fuse.search import Decision
 from tests.toy import ToyTask, trainer
 
 CPU_TAGS = {
@@ -38,7 +39,7 @@ def fit(callbacks, epochs=2, seed=0, samples=70, **kwargs):
 
 def test_auto_compiles_exactly_the_repeated_blocks_and_uncompiles_after_fit():
     probe = CompiledProbe()
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)  # step 0 runs compiled
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=0)  # step 0: compiled
     task, _ = fit([fuse, probe], epochs=1)
     assert probe.compiled == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
     assert all(m._compiled_call_impl is None for m in task.modules())  # teardown undid it
@@ -46,7 +47,8 @@ def test_auto_compiles_exactly_the_repeated_blocks_and_uncompiles_after_fit():
 
 def test_compiled_fit_reaches_the_same_loss_as_eager():
     eager_task, eager_trainer = fit([], epochs=2)
-    fused_task, fused_trainer = fit([FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=2)], epochs=2)
+    fused_task, fused_trainer = fit([FuseCallback(backend="aot_eager", mode="default", cache_dir=False,
+                                                  eager_steps=2)], epochs=2)  # fmt: skip
     eager_loss = eager_trainer.callback_metrics["train_loss"]
     fused_loss = fused_trainer.callback_metrics["train_loss"]
     torch.testing.assert_close(fused_loss, eager_loss, rtol=1e-4, atol=1e-5)
@@ -87,7 +89,7 @@ def test_each_bad_input_fails_before_the_first_training_step():
 
 def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(tmp_path):
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=4)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4)
     fit([fuse], epochs=2, samples=400, logger=logger, limit_val_batches=1)
     events = EventAccumulator(str(tmp_path / "tb" / "version_0"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
@@ -109,7 +111,7 @@ def collected_step_times(monkeypatch) -> list[dict[str, list[float]]]:
     from lightning_fuse.timing import StepTimer
 
     collected, collect = [], StepTimer.collect
-    monkeypatch.setattr(StepTimer, "collect", lambda self: collected.append(collect(self)) or collected[-1])
+    monkeypatch.setattr(StepTimer, "collect", lambda self, **kw: collected.append(collect(self, **kw)) or collected[-1])
     return collected
 
 
@@ -121,20 +123,16 @@ class ShrinkingData(ToyTask):
         return super().train_dataloader()
 
 
-def test_every_epoch_times_its_own_eager_reference_and_a_too_short_one_reuses_the_last(monkeypatch):
+def test_the_reference_takes_one_early_chunk_then_what_its_budget_allows_and_a_short_epoch_reuses_it(monkeypatch):
     collected = collected_step_times(monkeypatch)
-    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
-    fit([fuse], epochs=2, samples=960)  # 60 steps an epoch: 2 chunks of 3 timed eager steps in each
-    assert [len(epoch["eager"]) for epoch in collected] == [6, 6]
-    for epoch, row in enumerate(fuse.history):
-        assert row["fuse/eager_step_ms"] == pytest.approx(statistics.median(collected[epoch]["eager"]))
-    collected.clear()
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
     pl.seed_everything(0, verbose=False)
     trainer([fuse], max_epochs=2, reload_dataloaders_every_n_epochs=1).fit(ShrinkingData())
-    assert [len(epoch.get("eager", [])) for epoch in collected] == [6, 0]
-    assert fuse.history[1]["fuse/eager_step_ms"] == fuse.history[0]["fuse/eager_step_ms"]
-    assert fuse.history[1]["fuse/step_ms"] > 0
+    assert [len(epoch.get("eager", [])) for epoch in collected] == [5, 0]  # one chunk first; then 2% of 6 steps: none
+    assert [len(epoch.get("lead_in", [])) for epoch in collected] == [1, 0]
+    assert fuse.history[0]["fuse/eager_step_ms"] == pytest.approx(statistics.median(collected[0]["eager"]))
+    assert fuse.history[1]["fuse/eager_step_ms"] == fuse.history[0]["fuse/eager_step_ms"]  # the pool, reused
+    assert fuse.history[1]["fuse/step_ms"] > 0 and 0 < fuse.history[0]["fuse/reference_cost"] < 1
 
 
 class ForwardProbe(Callback):
@@ -149,11 +147,11 @@ class ForwardProbe(Callback):
 
 
 def test_eager_steps_run_the_plain_modules_first_before_anything_compiles_then_in_chunks():
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=6)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
     probe = ForwardProbe()  # after FuseCallback: sees the step as it runs
-    task, _ = fit([fuse, probe], epochs=1, samples=640)  # 40 steps: 3 eager, then 2 chunks of 1 + 3 eager steps
+    task, _ = fit([fuse, probe], epochs=1, samples=640)  # 40 steps: 3 eager, then one chunk of 1 + 5 eager steps
     eager = [step for step, (stance, _) in enumerate(probe.steps) if stance == "force_eager"]
-    assert eager[:3] == [0, 1, 2] and len(eager) == 3 + 2 * 4 and eager[3] > 3
+    assert eager[:3] == [0, 1, 2] and len(eager) == 3 + 6 and eager[3] > 3
     assert not any(any(installed) for _, installed in probe.steps[:3])  # no runner, no dynamo frame, nothing compiled
     assert fuse.tracker.stats("model.blocks.0").compiles >= 1
     for step, (stance, installed) in enumerate(probe.steps):
@@ -171,13 +169,27 @@ def slow_backend(gm, example_inputs):
     return run
 
 
-def test_auto_mode_drops_a_plan_measured_slower_than_eager():
+def test_auto_mode_keeps_eager_when_the_search_measures_every_plan_slower():
     fuse = FuseCallback(backend=slow_backend, cache_dir=False, eager_steps=6)
-    with pytest.warns(UserWarning, match="measured 0.*x of eager this epoch, so the rest of the run trains eagerly"):
-        task, _ = fit([fuse], epochs=2, samples=640)
-    assert fuse.history[0]["fuse/speedup"] < 0.9
-    assert "measured" in fuse.plan.reason and not fuse.plan.cuda_graph
-    assert set(fuse.fallbacks) == {"model.blocks.0", "model.blocks.1", "model.blocks.2"}
+    fit([fuse], epochs=1, samples=320)
+    assert fuse.plan.name == "eager" and fuse.decision.winner == "eager"
+    assert {t.outcome for t in fuse.decision.trials[1:]} == {"slower than eager"}
+    assert "fuse/speedup" not in fuse.history[0]  # eager against itself is not a speedup
+
+
+def test_auto_mode_drops_a_cached_plan_that_an_epoch_measures_slower_than_eager(tmp_path):
+    first = FuseCallback(backend=slow_backend, cache_dir=tmp_path, eager_steps=6)
+    fit([first], epochs=1, samples=640)
+    [path] = tmp_path.rglob("plan-*.json")
+    stale = Decision.from_json(path.read_text())
+    stale.winner = "regions"  # as if measured on another day
+    path.write_text(stale.to_json())
+    fuse = FuseCallback(backend=slow_backend, cache_dir=tmp_path, eager_steps=6)
+    with pytest.warns(UserWarning, match="plan 'regions' dropped, the rest of the fit trains eagerly: it measured 0"):
+        fit([fuse], epochs=2, samples=640)
+    assert fuse.history[0]["fuse/speedup"] < 0.9 and fuse.history[0]["plan"] == "regions"
+    assert fuse.plan.name == "eager" and fuse.history[1]["fuse/plan_dropped"] == 1.0
+    assert set(fuse.fallbacks) == set()  # the regions themselves never failed
 
 
 def test_an_explicit_mode_keeps_a_slow_plan():
@@ -192,12 +204,15 @@ def test_eager_window_can_be_turned_off():
     assert "fuse/speedup" not in fuse.history[0] and "fuse/step_ms" in fuse.history[0]
 
 
-def test_summary_is_printed_once_with_the_plan(caplog):
+def test_summary_and_verdict_are_logged_once_with_the_plan(caplog, capsys):
     with caplog.at_level("INFO"):
-        fit([FuseCallback(backend="aot_eager", cache_dir=False)], epochs=1)
+        fit([FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4)], epochs=1,
+            samples=320)  # fmt: skip
     text = caplog.text
-    assert text.count("**FuseCallback** plan") == 1
-    assert "3 region(s)" in text and "| model.blocks.0 |" in text
+    assert text.count("FuseCallback: ") >= 1 and "3 region(s)" in text and "model.blocks.0" in text
+    verdicts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("FuseCallback: ")]
+    assert len(verdicts) == 1 and "regions" in verdicts[0] and "compile" in verdicts[0]
+    assert verdicts[0] in text  # through Python logging too, so Hydra's train.log holds it
 
 
 def test_real_inductor_trains_like_eager(tmp_path, recwarn):
@@ -226,21 +241,12 @@ class SlowValidation(ToyTask):
 
 def test_a_step_runs_to_the_next_step_start_and_validation_never_enters_it(monkeypatch):
     collected = collected_step_times(monkeypatch)
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=4)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4)
     pl.seed_everything(0, verbose=False)
     trainer([fuse], max_epochs=1, val_check_interval=8, limit_val_batches=1).fit(SlowValidation(samples=320))
     times = [ms for kind in collected[0].values() for ms in kind]  # 20 steps, validation after steps 8, 16 and 20
-    assert len(collected[0]["eager"]) == 4 and len(times) >= 10
+    assert 3 <= len(collected[0]["eager"]) <= 4 and len(times) >= 10  # a chunk's step before validation is cut
     assert max(times) < 800  # each validation sleeps 1 s; none of it is in a step
-
-
-def test_a_short_epoch_says_once_how_many_reference_steps_it_has_room_for(caplog):
-    with caplog.at_level("INFO"):
-        fit([FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=20)], epochs=2,
-            samples=480)  # 30 steps an epoch, 25 after compiling: room for 6 timed + 2 lead-in steps
-    said = [r.getMessage() for r in caplog.records if "at most a third of an epoch" in r.getMessage()]
-    assert said == ["FuseCallback: at most a third of an epoch runs eagerly, so an epoch of 30 steps times 6 instead "
-                    "of eager_steps=20; longer epochs or a lower eager_steps avoid this."]
 
 
 class GradProbe(Callback):
@@ -262,3 +268,21 @@ def test_the_first_compiled_step_starts_without_stale_gradients_unless_they_accu
     assert probe.has_grad[1:3] == [True, True]  # the eager steps keep Lightning's own order
     assert probe.has_grad[3] is (accumulate > 1)  # step 3 compiles: its stale gradients are gone, unless accumulating
     assert probe.has_grad[4] is True
+
+
+def test_the_speedup_reaches_the_progress_bar():
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4)
+    _, t = fit([fuse], epochs=1, samples=320)
+    assert t.progress_bar_metrics["fuse/speedup"] == pytest.approx(fuse.history[0]["fuse/speedup"])
+
+
+def test_one_callback_fits_twice_and_each_fit_logs_its_own_scalars(tmp_path):
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4)
+    for version in (0, 1):
+        logger = TensorBoardLogger(tmp_path, name="tb", version=version)
+        fit([fuse], epochs=1, samples=320, logger=logger)
+        assert fuse.plan.name == "regions" and fuse.fit.steps == 20  # per-fit state starts from nothing
+        events = EventAccumulator(str(tmp_path / "tb" / f"version_{version}"), size_guidance={"scalars": 0})
+        events.Reload()
+        assert {"fuse/step_ms", "fuse/speedup", "fuse/compile_s"} <= set(events.Tags()["scalars"]), version
+    assert [row["epoch"] for row in fuse.history] == [0.0, 0.0]

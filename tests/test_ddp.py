@@ -15,7 +15,7 @@ from tests.faults import BLOCKS, artifacts_path, scalar_steps, valid_artifacts
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_two_process_ddp_fit_trains_on_both_ranks_logs_once_and_keeps_the_shared_cache(tmp_path):
+def test_two_process_ddp_fit_runs_one_plan_on_both_ranks_logs_once_and_keeps_the_shared_cache(tmp_path):
     cache_root = tmp_path / "cache"
     artifacts = artifacts_path(cache_root)  # the key does not depend on the world size: DDP uses this directory
     artifacts.write_bytes(valid_artifacts())
@@ -32,11 +32,13 @@ def test_two_process_ddp_fit_trains_on_both_ranks_logs_once_and_keeps_the_shared
     for rank in ranks:
         assert rank["world_size"] == 2
         assert len(rank["losses"]) == 6  # 35 samples a rank: batches of 16, 16 and 3, for 2 epochs
-        assert rank["compiled_first_step"] == BLOCKS
+        assert rank["compiled_second_step"] == {"eager": [], "compile": ["model"]}[rank["plan"]]
         assert rank["compiles"] >= 1
         assert rank["history_epochs"] == [0.0, 1.0]
         assert rank["uncompiled_after"]
         assert rank["cache_loaded"] and not rank["cache_warnings"]  # both ranks read the shared artifacts
+    assert ranks[0]["plan"] == ranks[1]["plan"] and ranks[0]["trials"] == ranks[1]["trials"], ranks
+    assert dict(ranks[0]["trials"])["regions"] == "failed: injected on rank 1"  # dropped on both ranks
     assert ranks[0]["losses"] != ranks[1]["losses"], "each rank trained on its own shard"
     assert abs(ranks[0]["param_sum"] - ranks[1]["param_sum"]) < 1e-6, "gradients were averaged across ranks"
 

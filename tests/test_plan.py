@@ -1,100 +1,198 @@
+"""The plans (lightning_fuse.plan) and the whole-network graph's bookkeeping (lightning_fuse.graphs), on a CPU.
+
+The capture itself needs a GPU; here it is faked: a fake ``make_graphed_callables`` runs the flattened call
+eagerly (so kwargs, pytree outputs and the rebuild are exercised), or disturbs the process and raises.
+"""
+
+import copy
+from dataclasses import dataclass
+
 import pytest
 import torch
+from torch import nn
 
-from lightning_fuse.graphs import GraphedModule, graph_target, release_capture_graph
-from lightning_fuse.plan import choose_plan
+from lightning_fuse.compiler import CompileOptions
+from lightning_fuse.graphs import GraphedModule, call_signature, graph_target, release_capture_graph
+from lightning_fuse.plan import Setting, Whole, candidates, forced_plan
+from lightning_fuse.regions import resolve_regions
 from tests.toy import ToyTask
 
 CUDA = torch.device("cuda", 0)
 
 
-def test_cpu_never_graphs():
-    plan = choose_plan("auto", "auto", torch.device("cpu"))
-    assert not plan.cuda_graph and plan.compile_mode is None and plan.dynamic is None
-    assert not choose_plan("auto", True, torch.device("cpu")).cuda_graph
+def setting_for(task, device=torch.device("cpu"), world_size=1):
+    return Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"), device,
+                   world_size=world_size)  # fmt: skip
 
 
-def test_cuda_defaults_to_a_graph_over_static_compiled_regions():
-    plan = choose_plan("auto", "auto", CUDA)
-    assert plan.cuda_graph and plan.dynamic is False and plan.compile_mode is None
-    assert "graph: on" in plan.describe()
-
-
-def test_explicit_settings_win():
-    assert not choose_plan("auto", False, CUDA).cuda_graph
-    assert choose_plan("auto", True, CUDA, dynamic=True).dynamic is True
-    plan = choose_plan("reduce-overhead", "auto", CUDA)
-    assert plan.compile_mode == "reduce-overhead" and not plan.cuda_graph
-
-
-def test_multi_process_runs_do_not_graph_and_refuse_an_explicit_graph():
-    assert not choose_plan("auto", "auto", CUDA, world_size=2).cuda_graph
-    with pytest.raises(ValueError, match="cuda_graph=True runs in a single process"):
-        choose_plan("auto", True, CUDA, world_size=2)
-
-
-def test_graph_target_is_the_largest_child_and_cpu_calls_pass_through():
+def test_candidates_per_device_and_process_count():
     task = ToyTask()
-    name, module = graph_target(task)
-    assert name == "model" and module is task.model
-    graphed = GraphedModule(name, module)
-    graphed.install()
-    graphed.capture_allowed = True
+    assert [p.name for p in candidates(setting_for(task))] == ["eager", "regions", "compile"]
+    cuda = [p.name for p in candidates(setting_for(task, CUDA))]
+    assert cuda == ["eager", "regions+graph", "reduce-overhead", "graph", "regions", "compile"]
+    assert [p.name for p in candidates(setting_for(task, CUDA, world_size=2))] == ["eager", "regions", "compile"]
+
+
+def test_whole_network_candidate_is_not_repeated_when_the_regions_are_the_whole_network():
+    task = ToyTask()
+    setting = Setting(resolve_regions(task, "full", ()), graph_target(task), CompileOptions(backend="eager"),
+                      torch.device("cpu"))  # fmt: skip
+    assert [p.name for p in candidates(setting)] == ["eager", "regions"]
+
+
+def test_explicit_settings_force_one_plan_and_refuse_a_graph_with_several_processes():
+    task = ToyTask()
+    assert forced_plan(setting_for(task, CUDA), "default", "auto").name == "regions+graph"
+    assert forced_plan(setting_for(task, CUDA), "reduce-overhead", "auto").name == "regions"
+    assert forced_plan(setting_for(task), "auto", True).name == "regions"  # no CUDA device: no graph
+    with pytest.raises(ValueError, match="cuda_graph=True runs in a single process"):
+        forced_plan(setting_for(task, CUDA, world_size=2), "auto", True)
+
+
+def test_a_plan_installs_and_uninstalls_itself_in_place():
+    task = ToyTask()
+    plan = Whole(setting_for(task), None)
+    plan.install()
+    assert task.model._compiled_call_impl is plan.runners[0] and plan.modules() == [task.model]
     x = torch.randn(3, 8)
     torch.testing.assert_close(task.model(x), type(task.model).forward(task.model, x))
-    assert graphed.replays == 0 and graphed._graphed is None  # CPU tensors are never captured
-    graphed.uninstall()
-    assert "forward" not in task.model.__dict__
+    plan.uninstall()
+    assert task.model._compiled_call_impl is None and plan.compiled_regions == []
 
 
-def test_graph_target_needs_a_child_network():
-    with pytest.raises(ValueError, match="cuda_graph needs the LightningModule to hold its network"):
-        graph_target(torch.nn.ReLU())
-
-
-def test_graph_dispatch_sits_outside_a_compiled_whole_network(monkeypatch):
-    """The graph target may itself be a compiled region ("full"): capture and replay must still happen."""
-    from lightning_fuse.compiler import CompileOptions, compile_regions, uncompile_regions
-    from lightning_fuse.regions import resolve_regions
-
-    captured, replayed = [], []
-
-    def fake_make_graphed_callables(module, args, num_warmup_iters):
-        module(*args)  # warmup calls go through the module: they must reach the compiled region, not recurse
-        captured.append(torch.compiler.is_compiling())
-
-        def graphed(*a):
-            replayed.append(1)
-            return type(module).forward(module, *a)
-
-        module.forward = graphed
-        return module
-
-    monkeypatch.setattr(torch.cuda, "make_graphed_callables", fake_make_graphed_callables)
-    monkeypatch.setattr(GraphedModule, "_eligible", lambda self, args: self.module.training and
-                        torch.is_grad_enabled() and not torch.compiler.is_compiling() and
-                        torch._dynamo.eval_frame._stance.stance != "force_eager")
+def test_graph_target_is_the_largest_child_and_needs_one():
     task = ToyTask()
-    runners = compile_regions(resolve_regions(task, "full"), CompileOptions(backend="eager"))
-    graphed = GraphedModule(*graph_target(task))
+    assert graph_target(task) == ("model", task.model)
+    with pytest.raises(ValueError, match="cuda_graph needs the LightningModule to hold its network"):
+        graph_target(nn.ReLU())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The graph's bookkeeping: kwargs in, any pytree out.
+
+
+@dataclass
+class Output:  # a ModelOutput-like dataclass, registered with pytree as transformers registers its outputs
+    loss: torch.Tensor
+    logits: torch.Tensor
+    hidden: tuple | None = None
+
+
+torch.utils._pytree.register_dataclass(Output)
+
+
+class KwargsNet(nn.Module):
+    """Called as ``net(input_ids=..., scale=..., mask=None)``; returns whatever ``kind`` asks for."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, input_ids, scale=1.0, mask=None):
+        logits = self.head(self.embed(input_ids)) * scale
+        loss = logits.float().pow(2).mean()
+        if self.kind == "dataclass":
+            return Output(loss, logits, None)
+        if self.kind == "dict":
+            return {"loss": loss, "logits": logits, "n": 3}
+        if self.kind == "tuple":
+            return (loss, None, logits)
+        return {"loss": loss, "cache": object()}  # a non-tensor leaf, like HF's DynamicCache
+
+
+def fake_capture(log):
+    def capture(flat, tensors, num_warmup_iters):
+        log.append(len(tensors))
+        return lambda *args: flat(*args)  # "replay" = the flattened call, run eagerly
+
+    return capture
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "dict", "tuple"])
+def test_kwargs_and_pytree_outputs_go_through_the_graph_and_come_back_whole(kind):
+    torch.manual_seed(0)
+    net, log = KwargsNet(kind), []
+    graphed = GraphedModule("net", net, capture=fake_capture(log), on_device=lambda t: True)
     graphed.install()
-    x = torch.randn(4, 8)
-    task.model(x)  # before capture is allowed: the compiled region runs
     graphed.capture_allowed = True
-    task.model(x)
-    assert captured == [False] and graphed.captured_during_last_call
-    task.model(x)
-    assert graphed.replays == 2 and len(replayed) == 2
-    with torch.compiler.set_stance("force_eager"):
-        task.model(x)
-    task.model(torch.randn(3, 8))  # another shape: the compiled region, not the graph
-    task.model.eval()
-    task.model(x)
+    ids = torch.randint(0, 10, (2, 5))
+    first = net(input_ids=ids, scale=2.0)
+    second = net(input_ids=ids, scale=2.0)
+    assert graphed.captured and graphed.replays == 2 and log == [1]
+    want = type(net).forward(net, ids, scale=2.0)
+    for got in (first, second):
+        assert type(got) is type(want)
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            torch.testing.assert_close(a, b) if isinstance(b, torch.Tensor) else None
+    net(input_ids=ids, scale=3.0)  # another plain input: not the captured call
     assert graphed.replays == 2
     graphed.uninstall()
-    assert task.model._compiled_call_impl is runners[0] and "forward" not in task.model.__dict__
-    uncompile_regions(runners)
-    assert task.model._compiled_call_impl is None
+    assert net._compiled_call_impl is None
+
+
+def test_an_output_holding_a_non_tensor_object_is_left_uncaptured_with_its_reason():
+    net, log = KwargsNet("cache"), []
+    graphed = GraphedModule("net", net, capture=fake_capture(log), on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    with pytest.warns(UserWarning, match="holds a object, which a graph replay cannot rebuild"):
+        out = net(input_ids=torch.randint(0, 10, (2, 5)))
+    assert "loss" in out and not graphed.captured and log == []  # refused before any capture
+    graphed.uninstall()
+
+
+def test_a_capture_that_raises_leaves_rng_forward_grads_and_buffers_as_they_were():
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
+    x = torch.randn(8, 4)
+    net(x).sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    twin = copy.deepcopy(net)  # what the step does without any graph
+
+    def broken_capture(flat, tensors, num_warmup_iters):
+        flat(*tensors)  # a warmup: updates batch-norm statistics and draws random numbers
+        for p in net.parameters():
+            p.grad = torch.full_like(p, 7.0)
+        flat.forward = lambda *a: None  # patches forward, as make_graphed_callables does
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    graphed = GraphedModule("net", net, capture=broken_capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="the capture failed"):
+        out = net(x)  # the fit goes on: this step runs as before, eagerly
+    rng = torch.get_rng_state()
+    torch.manual_seed(3)
+    want = twin(x)
+    assert "previous error during capture" in graphed.disabled_reason and not graphed.captured
+    torch.testing.assert_close(out, want)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(torch.equal(a, b) for a, b in zip(twin.buffers(), net.buffers()))
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters()))
+    assert "forward" not in vars(net)
+    graphed.uninstall()
+
+
+def test_the_probe_refuses_regions_that_compile_again_at_every_call():
+    net = nn.Linear(2, 2)
+    count = iter(range(100))
+    graphed = GraphedModule("net", net, capture=fake_capture([]), on_device=lambda t: True,
+                            compiles=lambda: next(count))  # fmt: skip
+    graphed.install()
+    graphed.capture_allowed = True
+    with pytest.warns(UserWarning, match="compile again at every call"):
+        net(torch.randn(3, 2))
+    assert not graphed.captured
+    graphed.uninstall()
+
+
+def test_call_signature_tells_shapes_and_plain_values_apart():
+    a = call_signature((torch.ones(2, 3),), {"flag": True})
+    assert a == call_signature((torch.zeros(2, 3),), {"flag": True})
+    assert a != call_signature((torch.zeros(3, 3),), {"flag": True})
+    assert a != call_signature((torch.zeros(2, 3),), {"flag": False})
 
 
 def test_release_capture_graph_detaches_the_outputs_a_graphed_forward_closes_over():

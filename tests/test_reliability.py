@@ -156,7 +156,7 @@ def test_cache_dir_that_is_not_writable_fails_at_construction(tmp_path):
 def test_a_pattern_matching_nothing_fails_at_fit_start_before_any_step(kwargs, match):
     task = RecordingTask()
     with pytest.raises(ValueError, match=match) as excinfo:
-        fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, **kwargs)])
+        fit(task, [FuseCallback(backend="aot_eager", mode="default", cache_dir=False, **kwargs)])
     assert raised_by_lightning_fuse(excinfo)
     assert task.losses == []  # no training step ran (and no sanity-check validation either: it comes later)
     assert all(m._compiled_call_impl is None for m in task.modules())
@@ -175,7 +175,7 @@ def test_a_pattern_matching_nothing_fails_at_fit_start_before_any_step(kwargs, m
 def test_dynamic_dims_that_do_not_fit_the_batch_fail_at_the_first_batch(dims, match):
     task = RecordingTask()
     with pytest.raises(ValueError, match=match) as excinfo:
-        fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims=dims)], num_sanity_val_steps=0)
+        fit(task, [FuseCallback(backend="aot_eager", mode="default", cache_dir=False, dynamic_dims=dims)], num_sanity_val_steps=0)
     assert raised_by_lightning_fuse(excinfo)
     assert task.losses == []
     assert all(m._compiled_call_impl is None for m in task.modules())
@@ -193,7 +193,7 @@ def test_dynamic_dims_that_do_not_fit_the_batch_fail_at_the_first_batch(dims, ma
 def test_a_length_fn_that_returns_no_number_fails_at_the_first_batch(length_fn, match):
     task = RecordingTask()
     with pytest.raises(TypeError, match=match) as excinfo:
-        fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, length_fn=length_fn)], num_sanity_val_steps=0)
+        fit(task, [FuseCallback(backend="aot_eager", mode="default", cache_dir=False, length_fn=length_fn)], num_sanity_val_steps=0)
     assert raised_by_lightning_fuse(excinfo)
     assert task.losses == []
     assert all(m._compiled_call_impl is None for m in task.modules())
@@ -233,11 +233,11 @@ def test_a_fit_interrupted_mid_epoch_leaves_the_model_eager_the_logs_readable_an
     tmp_path, failure, raised
 ):
     cache_root = tmp_path / "cache"
-    artifacts = artifacts_path(cache_root)
+    artifacts = artifacts_path(cache_root, mode="default")
     artifacts.write_bytes(valid_artifacts())
     inductor_dir, recompile_limit = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), torch._dynamo.config.recompile_limit
     task = seeded_task(fail_at=7, fail_with=failure)  # 5 steps an epoch: fails in the middle of the second
-    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_root, eager_steps=0)  # epoch 0 has compiled steps
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=cache_root, eager_steps=0)  # epoch 0 has compiled steps
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
@@ -267,7 +267,7 @@ def test_a_fit_interrupted_mid_epoch_leaves_the_model_eager_the_logs_readable_an
     # the cache is as it was, and the next run loads it without a warning
     assert artifacts.read_bytes() == valid_artifacts()
     assert not [p.name for p in cache_root.rglob("*") if ".tmp" in p.name]
-    following = FuseCallback(backend="aot_eager", cache_dir=cache_root)
+    following = FuseCallback(backend="aot_eager", mode="default", cache_dir=cache_root)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(seeded_task(), [following], max_steps=2, limit_val_batches=0)
@@ -278,12 +278,12 @@ def test_a_fit_interrupted_mid_epoch_leaves_the_model_eager_the_logs_readable_an
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
 def test_a_damaged_cache_artifact_means_one_warning_and_a_cold_compile(tmp_path, damage):
     cache_root = tmp_path / "cache"
-    artifacts = artifacts_path(cache_root)
+    artifacts = artifacts_path(cache_root, mode="default")
     good = valid_artifacts()
     artifacts.write_bytes(good[: len(good) // 2] if damage == "truncated" else os.urandom(len(good)))
     torch._dynamo.reset()
     task = seeded_task()
-    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_root, eager_steps=0)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=cache_root, eager_steps=0)
     probe = FuseProbe(fuse)
     with pytest.warns(UserWarning) as record:
         fit(task, [fuse, probe])
@@ -314,7 +314,7 @@ def test_a_recompile_storm_is_bounded_within_a_fit(action):
 
     reference = run([])
     # eager_steps=0: every step runs compiled, so the first epoch meets every size and the second one none new
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims=None, eager_steps=0, recompile_limit=2,
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, dynamic_dims=None, eager_steps=0, recompile_limit=2,
                         on_recompile_limit=action)  # fmt: skip
     probe = FuseProbe(fuse)
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False), pytest.warns(UserWarning) as record:
@@ -340,11 +340,11 @@ def test_a_recompile_storm_is_bounded_within_a_fit(action):
 def test_nvml_missing_or_failing_mid_run_stops_gpu_metrics_with_at_most_one_warning(monkeypatch, nvml):
     fake = FakeNvml(available=nvml != "missing")
 
-    def start_with_fake_nvml(self, trainer, pl_module, device):
-        # the CUDA-only part of FuseCallback._start_gpu_metrics, with the fake NVML in place of pynvml
-        self._sampler = gpu.GpuSampler(0, hz=200, nvml=fake)
-        if not self._sampler.start():
-            self._sampler = None
+    def start_with_fake_nvml(self, trainer, pl_module):
+        # the CUDA-only part of FitState.start_gpu_metrics, with the fake NVML in place of pynvml
+        self.sampler = gpu.GpuSampler(0, hz=200, nvml=fake)
+        if not self.sampler.start():
+            self.sampler = None
 
     class LoseTheGpu(Callback):
         """At the start of the second epoch every NVML query starts failing; waits until the sampler noticed."""
@@ -357,9 +357,9 @@ def test_nvml_missing_or_failing_mid_run_stops_gpu_metrics_with_at_most_one_warn
                     time.sleep(0.005)
                 time.sleep(0.05)  # the sampler thread records the error and ends
 
-    monkeypatch.setattr(FuseCallback, "_start_gpu_metrics", start_with_fake_nvml)
+    monkeypatch.setattr(FitState, "start_gpu_metrics", start_with_fake_nvml)
     task = RecordingTask()
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=0)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         fit(task, [fuse, LoseTheGpu()], max_epochs=3)

@@ -1,0 +1,444 @@
+"""The state of one fit, made new at every fit start, and the steps that set it up, choose its plan and end it.
+
+:class:`FitState` holds what a fit learns as it goes (the plan in force, the timer, the reference schedule, the
+recorded inputs, the search's decision, the compile cache) so that a callback reused for a second ``fit`` starts
+from nothing. :func:`activate_plan` is the moment the plan is chosen (by measurement) or forced, and installed.
+
+Example::
+
+    >>> state = FitState()
+    >>> state.plan is None, state.steps, state.plan_name()
+    (True, 0, 'eager')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+from lightning_fuse import compat, gpu
+from lightning_fuse.buckets import PadToBuckets
+from lightning_fuse.cache import CompileCache, cache_counters, cache_key
+from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_training
+from lightning_fuse.graphs import graph_target
+from lightning_fuse.guard import BackwardGuard
+from lightning_fuse.metrics import count_items, epoch_metrics, per_rank, summary_table, verdict_line
+from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, forced_plan, user_compiled
+from lightning_fuse.profiling import ProfileWindow
+from lightning_fuse.regions import resolve_regions
+from lightning_fuse.search import Consensus, Decision, PlanSearch, TrialCall, decision_path, sandbox
+from lightning_fuse.shapes import CompileTracker, DynamicDims, batch_size, can_yield_partial_batch
+from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN, SKIPPED, EagerSchedule, ReferencePool, StepTimer, summarize
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_fuse.options import FuseOptions
+
+log = logging.getLogger("lightning_fuse")
+
+
+@dataclass
+class FitState:
+    """Everything one fit of FuseCallback learns; a new one at every fit start."""
+
+    options: FuseOptions | None = None
+    setting: Setting | None = None
+    candidates: list[Plan] = field(default_factory=list)
+    searching: bool = False
+    plan: Plan | None = None
+    decision: Decision | None = None
+    dropped: str | None = None
+    tracker: CompileTracker = field(default_factory=CompileTracker)
+    cache: CompileCache | None = None
+    guard: BackwardGuard | None = None
+    timer: StepTimer | None = None
+    schedule: EagerSchedule = field(default_factory=lambda: EagerSchedule(0))
+    activation_step: int = 0
+    steps: int = 0
+    nominal_batch: int = 0
+    step_kind: str = SKIPPED
+    step_compiles: int = 0
+    pool: ReferencePool = field(default_factory=ReferencePool)
+    """The last few reference chunks' eager step times: what each epoch's speedup divides."""
+    compiled_ms: float | None = None
+    """The last epoch's median compiled step, for the reference's budget."""
+    items: list[Any] = field(default_factory=list)
+    partial_possible: dict[str, bool] = field(default_factory=dict)
+    recorded: tuple[tuple, dict] | None = None
+    profiles: dict[str, ProfileWindow] = field(default_factory=dict)
+    profile: ProfileWindow | None = None
+    profile_logged: bool = False
+    flops: Any = None
+    flops_per_batch: float | None = None
+    peak_flops: float | None = None
+    sampler: gpu.GpuSampler | None = None
+    cache_at_start: tuple[int, int] = (0, 0)
+    saved_recompile_limit: int | None = None
+    fallbacks: dict[str, str] = field(default_factory=dict)
+    buckets: PadToBuckets | None = None
+    _recorder: Any = None
+
+    @classmethod
+    def start(cls, options: FuseOptions, trainer: pl.Trainer, pl_module: pl.LightningModule,
+              setting: Setting) -> FitState:  # fmt: skip
+        """A fit's state at its start: the candidates built, the timer and schedule ready, inputs being recorded."""
+        searching = options.mode == "auto" and options.cuda_graph == "auto" and options.targets in ("auto", ("auto",))
+        searching = searching and not _is_sharded(trainer)
+        precompiled = user_compiled(pl_module)
+        fit = cls(options=options, setting=setting, searching=searching and not precompiled, tracker=setting.tracker)
+        if precompiled:
+            fit.candidates = [UserCompiled(precompiled)]
+        elif fit.searching:
+            fit.candidates = candidates(setting)
+        else:
+            fit.candidates = [forced_plan(setting, options.mode, options.cuda_graph)]
+        fit.buckets = PadToBuckets(options.pad_buckets) if options.pad_buckets else None
+        fit.timer = StepTimer(pl_module.device)
+        fit.profiles = _profiles(options.profile_steps, pl_module.device)
+        fit.schedule = EagerSchedule(options.eager_steps, reference_budget=options.reference_budget,
+                                     profiled=options.profile_steps if fit.profiles else 0)  # fmt: skip
+        fit.activation_step = max(fit.schedule.start_length, 1 if fit.searching else 0)
+        fit.cache_at_start = cache_counters()
+        fit.saved_recompile_limit = compat.dynamo_recompile_limit()
+        # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
+        # reached before ours; our limit is per region and enforced in compiler.CompiledRegion.
+        regions = max(1, len(setting.regions))
+        compat.set_dynamo_recompile_limit(max(fit.saved_recompile_limit,
+                                              min(256, (options.recompile_limit + 1) * regions)))  # fmt: skip
+        fit.tracker.install()
+        fit._recorder = setting.target[1].register_forward_pre_hook(fit._record, with_kwargs=True)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
+        fit.guard = BackwardGuard(fit.drop_plan, trainer.precision_plugin.forward_context,
+                                  scaler.scale if scaler is not None else lambda loss: loss)  # fmt: skip
+        fit.guard.install(pl_module)
+        fit.start_gpu_metrics(trainer, pl_module)
+        return fit
+
+    def _record(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled() and self.plan is None:
+            self.recorded = (args, kwargs)
+
+    def plan_name(self) -> str:
+        return self.plan.name if self.plan is not None else "eager"
+
+    def intent(self) -> str:
+        """The plan line at fit start: what will be chosen from, or what is forced."""
+        if isinstance(self.candidates[0], UserCompiled):
+            return f"no compile of its own: {self.candidates[0].reason}"
+        if self.searching:
+            names = ", ".join(plan.name for plan in self.candidates)
+            return f"the plan will be chosen by measurement after step {self.activation_step} among: {names}"
+        return f"plan forced by explicit settings: {self.candidates[0].describe()}"
+
+    def plan_epoch(self, steps: int) -> None:
+        settle = self.activation_step - self.schedule.start_length + self.warmup_steps()
+        self.schedule.plan_epoch(self.steps, steps, settle, eager_ms=self.pool.median(), compiled_ms=self.compiled_ms)
+
+    def warmup_steps(self) -> int:
+        if self.options.warmup_steps is not None:
+            return self.options.warmup_steps
+        return 3 if any(plan.name.endswith("graph") or plan.name == "reduce-overhead" for plan in self.candidates) else 1
+
+    def begin_step(self, batch: Any, length_fn: Callable[[Any], Any] | None) -> tuple[bool, bool]:
+        """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped); returns whether it
+        runs eagerly and whether it should count FLOPs (an untimed, unprofiled eager step on a GPU)."""
+        size = batch_size(batch)
+        self.nominal_batch = max(self.nominal_batch, size)
+        eager = self.plan is None or self.schedule.is_eager(self.steps)
+        timed, profile = self.step_timing(eager, size)
+        self.step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
+        if self.schedule.is_lead_in(self.steps):
+            self.step_kind = LEAD_IN  # untimed, but part of the reference's cost
+        if length_fn is not None:
+            items = count_items(length_fn, batch)  # every batch, so a bad length_fn fails on the first
+            if self.step_kind != SKIPPED:
+                self.items.append(items)
+        self.step_compiles = self.tracker.total_compiles
+        return eager, eager and self.needs_flops() and not timed and profile is None
+
+    def mark_dynamic(self, dims: DynamicDims, batch: Any, stage: str, loaders: Callable[[], Any]) -> None:
+        """Mark the batch's varying dims dynamic for the regions (the loaders are read once per stage)."""
+        partial = self.partial_possible.get(stage)
+        if partial is None:
+            partial = self.partial_possible[stage] = can_yield_partial_batch(loaders())
+        self.setting.policy.dynamic_sizes = dims.apply(batch, partial)
+
+    def step_timing(self, eager: bool, size: int) -> tuple[bool, ProfileWindow | None]:
+        """Whether this step is timed, and the profile window it runs in (profiled steps are never timed)."""
+        if eager:
+            timed = self.schedule.is_timed(self.steps)
+            profile = self.profiles[EAGER] if self.profiles and self.schedule.is_profiled(self.steps) else None
+        else:
+            timed = self.steps >= self.activation_step + self.warmup_steps()
+            window = self.profiles.get(COMPILED)
+            profile = window if timed and window is not None and not window.done else None
+        if profile is not None:
+            profile.step_start()
+        self.profile = profile
+        return timed and size == self.nominal_batch and profile is None, profile
+
+    def needs_flops(self) -> bool:
+        return self.peak_flops is not None and self.flops_per_batch is None
+
+    def start_gpu_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        device = pl_module.device
+        if device.type != "cuda":
+            rank_zero_info("FuseCallback: no CUDA device, so GPU utilisation, MFU and peak memory are not measured.")
+            return
+        self.peak_flops = gpu.peak_flops(device, gpu.compute_dtype(str(trainer.precision)))
+        self.flops_per_batch = getattr(pl_module, "flops_per_batch", None)
+        if self.options.gpu_sample_hz > 0:
+            self.sampler = gpu.GpuSampler(gpu.nvml_index(device), hz=self.options.gpu_sample_hz)
+            if not self.sampler.start():
+                self.sampler = None
+
+    def what_ran(self) -> str:
+        """The plan in force at the end, and what became of its graph and regions."""
+        parts = [self.plan.describe() if self.plan is not None else "eager (no plan was installed)"]
+        if self.dropped:
+            parts.append(f"plan dropped: {self.dropped}")
+        for plan in self.candidates:
+            graph = getattr(plan, "graph", None)
+            if plan is self.plan and graph is not None:
+                parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
+                             else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip
+        self.fallbacks.update({r.name: r.fallback_reason for r in self._runners() if r.fallback_reason})
+        parts += [f"region {name}: fell back ({why})" for name, why in self.fallbacks.items()]
+        return "; ".join(parts)
+
+    def verdict(self, history: list[dict[str, Any]]) -> str:
+        if self.decision is not None and self.decision.winner == "eager" and self.dropped is None:
+            others = ", ".join(f"{t.name} {t.outcome}" for t in self.decision.trials if t.name != "eager")
+            return (f"FuseCallback: kept eager, measured fastest on this {self.setting.device.type.upper()} "
+                    f"({others}); compile {self.tracker.total_s:.1f} s spent finding out")  # fmt: skip
+        last = history[-1] if history else {}
+        return verdict_line(self.plan_name(), history, self.tracker.total_s,
+                            break_even_step=last.get("fuse/break_even_step"), dropped=self.dropped,
+                            device_type=self.setting.device.type if self.setting else "cpu",
+                            eager_steps=self.options.eager_steps if self.options else None)  # fmt: skip
+
+    def _runners(self) -> list:
+        return [runner for plan in self.candidates for runner in plan.runners if plan is self.plan]
+
+    def drop_plan(self, reason: str) -> None:
+        """Take the plan off: the rest of the fit trains eagerly, with one warning (on a line of its own) saying why."""
+        rank_zero_warn(f"\nFuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit trains eagerly: {reason}.")
+        self.uninstall_plan()
+        self.plan, self.dropped = Plan(), f"{reason} (step {self.steps})"
+
+    def uninstall_plan(self) -> None:
+        if self.plan is not None:
+            self.what_ran()  # keeps the fallback reasons
+            self.plan.uninstall()
+
+    def close(self) -> None:
+        """Undo everything the fit changed: the plan, hooks, torch settings, the cache's environment."""
+        for window in self.profiles.values():
+            window.abort()
+        self.uninstall_plan()
+        self.tracker.remove()
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+        if self.guard is not None:
+            self.guard.uninstall()
+        if self.sampler is not None:
+            self.sampler.stop()
+            self.sampler = None
+        if self.cache is not None:
+            self.cache.deactivate()
+        if self.saved_recompile_limit is not None:
+            compat.set_dynamo_recompile_limit(self.saved_recompile_limit)
+            self.saved_recompile_limit = None
+
+
+def fit_setting(options: FuseOptions, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Setting:
+    """What the fit's plans are built from: its regions, its network, the compile arguments, the device."""
+    regions = resolve_regions(pl_module, options.targets, options.exclude)
+    policy = RegionPolicy(verify=options.verify, recompile_limit=options.recompile_limit,
+                          on_recompile_limit=options.on_recompile_limit)  # fmt: skip
+    compile_options = CompileOptions(backend=options.backend, fullgraph=options.fullgraph, dynamic=options.dynamic,
+                                     options=dict(options.options) if options.options else None)  # fmt: skip
+    return Setting(regions, graph_target(pl_module), compile_options, pl_module.device, policy=policy,
+                   world_size=trainer.world_size, max_graphs=len(options.pad_buckets or [1]))  # fmt: skip
+
+
+def start_cache(options: FuseOptions, trainer: pl.Trainer, fit: FitState) -> CompileCache | None:
+    """Point torch's compile caches into ``cache_dir`` and load last run's artifacts (``None``: no cache)."""
+    if options.cache_dir is False:
+        return None
+    backend = getattr(options.backend, "__qualname__", options.backend)  # a callable: by name
+    what = (options.mode, options.cuda_graph, options.dynamic, backend, options.fullgraph,
+            sorted((options.options or {}).items()))  # fmt: skip
+    modules = [region.module for region in fit.setting.regions] + [fit.setting.target[1]]
+    cache = CompileCache(options.cache_dir, [cache_key(modules, fit.setting.device, [repr(what)])])
+    cache.activate()
+    trainer.strategy.barrier()  # rank zero saved last; everyone reads the same file
+    cache.load()
+    return cache
+
+
+def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Choose the plan (by measurement on the recorded inputs, from the cache, or forced) and install it."""
+    if fit._recorder is not None:
+        fit._recorder.remove()
+        fit._recorder = None
+    if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
+        # Dynamo traces each parameter with its .grad: FSDP's bf16 grads left by the eager steps made every region
+        # fall back ("grad_dtype 'BFloat16'"). Lightning would set them to None after this step's forward anyway.
+        pl_module.zero_grad(set_to_none=True)
+    if not fit.searching:
+        plan = fit.candidates[0]
+    elif fit.recorded is None:
+        plan = fit.candidates[0]
+        plan.reason = f"the network {fit.setting.target[0]!r} was not called in a training step, so nothing to measure"
+    else:
+        fit.decision = _cached_decision(fit) or _search(fit, trainer)
+        plan = next(p for p in fit.candidates if p.name == fit.decision.winner)
+        plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
+        _announce(fit.decision, trainer)
+        _store_decision(fit, trainer)
+    fit.recorded = None
+    for loser in fit.candidates:
+        if loser is not plan:
+            loser.release()
+    plan.install()
+    fit.plan = plan
+    if plan.name == "eager":
+        fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
+        fit.schedule.plan_epoch(fit.steps, 1, 0)  # and the chunks already placed in this epoch go
+
+
+def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
+    name, module = fit.setting.target
+    args, kwargs = fit.recorded
+    cuda = fit.setting.device.type == "cuda"
+    call = TrialCall(module, args, kwargs, context=trainer.precision_plugin.forward_context,
+                     synchronize=torch.cuda.synchronize if cuda else lambda: None)  # fmt: skip
+    consensus = Consensus(lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+                          trainer.strategy.broadcast)  # fmt: skip
+    deterministic = not _changes_in_training(module)
+    search = PlanSearch(fit.candidates, consensus, reference=call.last if deterministic else None)
+    with sandbox(module):
+        return search.run(call)
+
+
+def _decision_key(fit: FitState) -> str:
+    leaves = [leaf for leaf in compat.tree_leaves(fit.recorded) if isinstance(leaf, torch.Tensor)]
+    shapes = repr([(tuple(t.shape), t.dtype) for t in leaves]) + repr(fit.setting.world_size)
+    return hashlib.sha256(shapes.encode()).hexdigest()[:16]
+
+
+def _cached_decision(fit: FitState) -> Decision | None:
+    if fit.cache is None:
+        return None
+    path = decision_path(fit.cache.directory, _decision_key(fit))
+    try:
+        decision = Decision.from_json(path.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return decision if any(plan.name == decision.winner for plan in fit.candidates) else None
+
+
+def _store_decision(fit: FitState, trainer: pl.Trainer) -> None:
+    if fit.cache is not None and trainer.is_global_zero and not fit.decision.cached:
+        fit.cache.directory.mkdir(parents=True, exist_ok=True)
+        decision_path(fit.cache.directory, _decision_key(fit)).write_text(fit.decision.to_json())
+
+
+def _announce(decision: Decision, trainer: pl.Trainer) -> None:
+    """Print the decision once, and write it to TensorBoard as text and as scalars."""
+    how = "from the cached decision" if decision.cached else "by measurement (median ms per forward+backward)"
+    rank_zero_info(f"FuseCallback: plan {decision.winner!r} chosen {how}:\n  " + "\n  ".join(decision.lines()))
+    if not trainer.is_global_zero:
+        return
+    scalars = {f"fuse/search_ms/{t.name}": t.ms for t in decision.trials if t.ms is not None}
+    for logger in trainer.loggers:
+        logger.log_metrics(scalars, step=0)
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            experiment.add_text("fuse/plan_search", "    " + "\n    ".join(decision.lines()), global_step=0)
+
+
+def end_epoch(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+    """The epoch's scalars (and its plan's name), from all of its steps' times and the reference pool."""
+    times = fit.timer.collect(include_skipped=True)  # all of the epoch's steps: the reference's cost is a share
+    fit.pool.add(times.get(EAGER, []), trainer.current_epoch)  # an epoch without reference steps reuses the pool
+    timing = summarize(times, reference=fit.pool.samples)
+    fit.compiled_ms = timing.step_ms or fit.compiled_ms
+    return epoch_metrics(
+        timing, fit.nominal_batch, fit.tracker.total_s, fit.tracker.total_recompiles,
+        items_per_batch=float(sum(fit.items)) / len(fit.items) if fit.items else None,  # one sync
+        flops_per_batch=fit.flops_per_batch, peak_flops=fit.peak_flops,
+        extra=epoch_extras(fit, trainer, pl_module), plan=fit.plan_name(),
+    )  # fmt: skip
+
+
+def report(fit: FitState, trainer: pl.Trainer, history: list[dict[str, Any]]) -> None:
+    """The fit's end: the verdict in one line (terminal and Python logging), the summary (logging, TensorBoard)."""
+    verdict = fit.verdict(history)
+    ran = fit.what_ran()
+    log.info(summary_table(history, fit.tracker, ran, verdict=verdict))
+    for logger in trainer.loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            text = summary_table(history, fit.tracker, ran, markdown=True, verdict=verdict)
+            experiment.add_text("fuse/summary", text, global_step=trainer.current_epoch)
+            experiment.flush()
+    print(f"\n{verdict}", flush=True)  # noqa: T201 - the fit's verdict, on a line of its own on the terminal
+    log.info(verdict)
+
+
+def epoch_extras(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+    """The epoch's scalars beyond timing: GPU, memory, kernels, cache, graph breaks, what ran."""
+    extra = fit.sampler.read_and_reset() if fit.sampler else {}
+    if pl_module.device.type == "cuda":
+        extra["peak_mem_gb"] = torch.cuda.max_memory_allocated(pl_module.device) / 1e9
+    extra.update(_kernel_metrics(fit))
+    if trainer.world_size > 1 and pl_module.device.type == "cuda":  # a collective: every rank calls it
+        mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=pl_module.device)
+        extra.update(per_rank("gpu_util", trainer.strategy.all_gather(mine).flatten().tolist()))
+    hits, misses = (now - start for now, start in zip(cache_counters(), fit.cache_at_start))
+    graph = getattr(fit.plan, "graph", None)
+    if fit.buckets is not None:
+        extra["pad_waste"] = fit.buckets.waste
+    extra.update(cache_hits=hits, cache_misses=misses, graph_breaks=fit.tracker.total_graph_breaks,
+                 compiled=float(fit.plan is not None and fit.plan.name != "eager"),
+                 plan_dropped=float(fit.dropped is not None),
+                 graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip
+    return extra
+
+
+def _kernel_metrics(fit: FitState) -> dict[str, float]:
+    """The profiled kernel counts, once, in the epoch both windows finished."""
+    if fit.profile_logged or not fit.profiles or not all(w.done for w in fit.profiles.values()):
+        return {}
+    fit.profile_logged = True
+    compiled, eager = fit.profiles[COMPILED].result, fit.profiles[EAGER].result
+    return {
+        "kernels_per_step": compiled.kernels_per_step,
+        "eager_kernels_per_step": eager.kernels_per_step,
+        "gpu_busy_frac": compiled.gpu_busy_frac,
+        "eager_gpu_busy_frac": eager.gpu_busy_frac,
+    }
+
+
+def _profiles(steps: int, device: torch.device) -> dict[str, ProfileWindow]:
+    if not steps:
+        return {}
+    if device.type != "cuda":
+        rank_zero_info("FuseCallback: `profile_steps` counts GPU kernels and needs a CUDA device; skipped.")
+        return {}
+    return {COMPILED: ProfileWindow(steps), EAGER: ProfileWindow(steps)}
+
+
+def _is_sharded(trainer: pl.Trainer) -> bool:
+    """FSDP shards parameters: the network cannot be run outside its wrapper, so no plan is measured there."""
+    return "fsdp" in type(trainer.strategy).__name__.lower()

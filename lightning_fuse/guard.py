@@ -1,0 +1,97 @@
+"""The fallback that reaches backward: an error raised there by compiled code costs the plan, never the run.
+
+A compiled region's forward falls back on its own (:mod:`lightning_fuse.compiler`), but its backward runs later,
+inside Lightning's closure (``loss.backward()``, activation checkpointing's recomputation, gradient hooks), where
+nothing of ours is on the stack. :class:`BackwardGuard` sits in the LightningModule's public ``backward`` hook,
+which Lightning calls for automatic and manual optimization alike: if backward raises while a plan runs, the
+plan is dropped (the model is eager from then on), the step's gradients are cleared, and with automatic
+optimization the step is redone eagerly (its ``training_step`` again, then backward), so the optimizer step that
+follows uses eager's gradients. With manual optimization the step's backward is skipped instead (Lightning gives
+no point from which to redo a user's whole step); the plan search has already run every candidate's backward on
+the run's own inputs, so this is rare.
+
+Example::
+
+    >>> import torch
+    >>> from lightning.pytorch import LightningModule
+    >>> module = LightningModule()
+    >>> guard = BackwardGuard(on_failure=print)
+    >>> guard.install(module)
+    >>> "backward" in vars(module)
+    True
+    >>> guard.uninstall(); "backward" in vars(module)
+    False
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_fuse.compiler import describe_error
+
+
+class BackwardGuard:
+    """Redoes a step eagerly when its backward raises under a plan.
+
+    Args:
+        on_failure: Called with the error's one-line description; it must leave the model eager (drop the plan).
+        context: The context ``training_step`` runs in (the Trainer's precision: autocast), for the redo.
+        scale: Applied to the redone loss before backward (a GradScaler's ``scale``), as Lightning did to the first.
+
+    Example::
+
+        >>> BackwardGuard(on_failure=print).armed
+        False
+    """
+
+    def __init__(self, on_failure: Callable[[str], None], context: Callable[[], Any] = nullcontext,
+                 scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss) -> None:  # fmt: skip
+        self.on_failure, self.context, self.scale = on_failure, context, scale
+        self.armed = False  # a plan runs in this step: its backward is guarded
+        self.redone_steps = 0
+        self._module: LightningModule | None = None
+        self._step: tuple[Any, int] | None = None
+
+    def install(self, module: LightningModule) -> None:
+        # An instance attribute over LightningModule.backward, the public hook Lightning's precision plugins call
+        # for every backward (manual_backward too); removed at teardown, so the class is never touched.
+        self._module = module
+        module.backward = self._backward
+
+    def uninstall(self) -> None:
+        if self._module is not None and vars(self._module).get("backward") == self._backward:
+            del self._module.backward
+        self._module, self._step, self.armed = None, None, False
+
+    def arm(self, batch: Any, batch_idx: int, armed: bool) -> None:
+        """Before each step: the batch to redo it with, and whether a plan runs in it (eager steps are not guarded)."""
+        self._step, self.armed = (batch, batch_idx), armed
+
+    def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        original = type(self._module).backward.__get__(self._module)
+        if not self.armed:
+            return original(loss, *args, **kwargs)
+        try:
+            return original(loss, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - compiled code failed in backward: the plan goes, the run stays
+            reason = describe_error(err)
+        self.armed = False
+        self.on_failure(f"backward raised {reason}")
+        self._module.zero_grad(set_to_none=True)
+        if not self._module.automatic_optimization:
+            rank_zero_warn("FuseCallback: with manual optimization this step's gradients were dropped; it is skipped.")
+            return None
+        self.redone_steps += 1
+        return original(self.scale(self._redo_loss()), *args, **kwargs)
+
+    def _redo_loss(self) -> torch.Tensor:
+        batch, batch_idx = self._step
+        with self.context():
+            out = self._module.training_step(batch, batch_idx)
+        return out["loss"] if isinstance(out, Mapping) else out

@@ -1,0 +1,289 @@
+"""The plan chosen by measurement: try each candidate on the run's own inputs, keep the fastest that works.
+
+After the fit's first eager steps, :class:`PlanSearch` installs each candidate plan in turn
+(:func:`lightning_fuse.plan.candidates`, most promising first), runs a few forward and backward passes of the network
+on the inputs the last training step gave it (the first compile and capture happen here, and so does any failure,
+in forward or in backward), times them with one clock, and uninstalls it. Every trial runs inside
+:func:`sandbox`: gradients, buffers and RNG states are as before when the search ends, so training goes on as if
+nothing had run. A candidate that raises, whose graph was not captured, or whose loss or gradients differ from
+eager's, is dropped with its reason; a candidate is not tried when one that does all it does and more already ran
+faster than eager. With several processes every rank measures, a candidate that fails on any rank is dropped on
+all, and rank zero's timings decide (:class:`Consensus`). The decision can be stored with the compile cache, so a
+warm run goes straight to the winner.
+
+Example::
+
+    >>> from lightning_fuse.plan import Plan
+    >>> class Slow(Plan):
+    ...     name = "slow"
+    ...     def install(self): self.on = True
+    ...     def uninstall(self): self.on = False
+    >>> slow = Slow()
+    >>> search = PlanSearch([Plan(), slow], clock=iter(range(100)).__next__)
+    >>> decision = search.run(lambda: None)
+    >>> decision.winner, [t.outcome for t in decision.trials]
+    ('eager', ['chosen', 'slower than eager'])
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fuse import compat
+from lightning_fuse.compiler import TOLERANCES, _effective_dtype, describe_error
+from lightning_fuse.plan import Plan
+from lightning_fuse.state import Snapshot
+
+WARM_CALLS = 2
+"""Untimed calls per candidate: the first compiles (and captures), the second settles the allocator."""
+TIMED_CALLS = 5
+"""Timed calls per candidate; their median is its time."""
+
+
+@dataclass
+class Trial:
+    """One candidate's result: its median ms per forward+backward, and what became of it."""
+
+    name: str
+    ms: float | None = None
+    outcome: str = "not tried"
+    """``chosen``, ``slower than <winner>``, ``failed: <reason>`` or ``skipped: <reason>``."""
+
+
+@dataclass
+class Decision:
+    """The search's result: the winner and every candidate's trial."""
+
+    winner: str
+    trials: list[Trial] = field(default_factory=list)
+    cached: bool = False
+
+    def lines(self) -> list[str]:
+        """One line per candidate, e.g. ``regions+graph   3.21 ms  chosen``."""
+        width = max(len(t.name) for t in self.trials)
+        times = [f"{t.ms:8.2f} ms" if t.ms is not None else " " * 11 for t in self.trials]
+        return [f"{t.name:<{width}} {ms}  {t.outcome}" for t, ms in zip(self.trials, times)]
+
+    def to_json(self) -> str:
+        return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        data = json.loads(text)
+        return cls(data["winner"], [Trial(**t) for t in data["trials"]], cached=True)
+
+
+class Consensus:
+    """How ranks agree: a candidate that fails on one rank fails on all, and rank zero's numbers decide.
+
+    Args:
+        agree: ``ok -> all ranks ok`` (e.g. ``strategy.reduce_boolean_decision(ok, all=True)``).
+        share: ``value -> rank zero's value`` (e.g. ``strategy.broadcast``).
+
+    Example::
+
+        >>> Consensus().agree(True), Consensus().share(3.0)
+        (True, 3.0)
+    """
+
+    def __init__(self, agree: Callable[[bool], bool] = bool, share: Callable[[Any], Any] = lambda value: value):
+        self.agree = agree
+        self.share = share
+
+
+class PlanSearch:
+    """Measure candidate plans on the run's own inputs and keep the fastest that works.
+
+    Args:
+        candidates: The plans, most promising first; the first is the baseline (eager) every other must beat.
+        consensus: How several processes agree (one process: trivially).
+        clock: Seconds, read after the device finished its work (the caller synchronises on CUDA).
+        reference: ``() -> (loss, grad norm)`` of the last call, compared between eager and each candidate when
+            the network is deterministic; ``None`` skips the check.
+
+    Example::
+
+        >>> from lightning_fuse.plan import Plan
+        >>> PlanSearch([Plan()]).run(lambda: None).winner
+        'eager'
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[Plan],
+        consensus: Consensus | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        reference: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> None:
+        self.candidates = list(candidates)
+        self.consensus = consensus or Consensus()
+        self._clock = clock
+        self._reference = reference
+        self._eager_reference: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def run(self, call: Callable[[], None]) -> Decision:
+        """Try every candidate with ``call`` (one forward+backward of the network) and return the decision."""
+        trials: list[Trial] = []
+        for plan in self.candidates:
+            skip = self._skip_reason(plan, trials)
+            trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call))
+        timed = [t for t in trials if t.ms is not None]
+        winner = min(timed, key=lambda t: t.ms) if timed else Trial(self.candidates[0].name)
+        for trial in timed:
+            trial.outcome = "chosen" if trial is winner else f"slower than {winner.name}"
+        return Decision(winner.name, trials)
+
+    def plan(self, name: str) -> Plan:
+        return next(plan for plan in self.candidates if plan.name == name)
+
+    def _skip_reason(self, plan: Plan, trials: list[Trial]) -> str | None:
+        baseline = trials[0].ms if trials else None
+        for trial in trials:
+            if trial.name in plan.dominated_by and trial.ms is not None and baseline and trial.ms < baseline:
+                return f"{trial.name} does what it does and ran faster than eager"
+        return None
+
+    def _try(self, plan: Plan, call: Callable[[], None]) -> Trial:
+        plan.install()
+        failure, ms = None, None
+        try:
+            plan.step_begin()
+            call()
+            failure = plan.failure or self._check(plan)
+            for _ in range(WARM_CALLS - 1):
+                plan.step_begin()
+                call()
+            ms = None if failure else self._time(plan, call)
+            failure = failure or plan.failure
+        except Exception as err:  # noqa: BLE001 - a candidate that raises costs only itself
+            failure = describe_error(err)
+        finally:
+            plan.uninstall()
+        if not self.consensus.agree(failure is None):
+            return Trial(plan.name, outcome=f"failed: {failure or 'it failed on another rank'}")
+        return Trial(plan.name, self.consensus.share(ms))
+
+    def _time(self, plan: Plan, call: Callable[[], None]) -> float:
+        times = []
+        for _ in range(TIMED_CALLS):
+            start = self._clock()
+            plan.step_begin()
+            call()
+            times.append((self._clock() - start) * 1e3)
+        return statistics.median(times)
+
+    def _check(self, plan: Plan) -> str | None:
+        """Whether the first call's loss and gradient norm match eager's (the first candidate's)."""
+        if self._reference is None:
+            return None
+        loss, norm = self._reference()
+        if self._eager_reference is None:
+            self._eager_reference = (loss, norm)
+            return None
+        for what, got, want in zip(("loss", "gradient norm"), (loss, norm), self._eager_reference):
+            rtol, atol = TOLERANCES[_effective_dtype(want)]
+            if not torch.allclose(got.float(), want.float(), rtol=4 * rtol, atol=4 * atol):
+                return f"its {what} {got.item():.6g} differs from eager's {want.item():.6g}"
+        return None
+
+
+@contextmanager
+def sandbox(module: nn.Module) -> Iterator[None]:
+    """Whatever runs inside, the module's gradients, buffers and the RNG states are as before when it ends.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> with sandbox(lin):
+        ...     lin(torch.ones(1, 2)).sum().backward()
+        >>> lin.weight.grad is None
+        True
+    """
+    snapshot = Snapshot(module)
+    try:
+        yield
+    finally:
+        snapshot.restore()
+
+
+class TrialCall:
+    """One forward and backward of ``module`` on recorded inputs: what :class:`PlanSearch` times.
+
+    The loss is the sum of the means of the output's floating tensor leaves that need gradients: every output is
+    in the backward, whatever the model returns (a ``ModelOutput`` with its own loss, logits, a tuple).
+
+    Args:
+        module: The network.
+        args: Positional inputs of one of its training calls (detached).
+        kwargs: Its keyword inputs.
+        context: A context every call runs under (the Trainer's precision, e.g. autocast).
+        synchronize: Called after each backward, so a host clock sees the device's work.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 1)
+        >>> call = TrialCall(lin, (torch.ones(3, 2),), {})
+        >>> with sandbox(lin):
+        ...     call()
+        ...     loss, norm = call.last()
+        >>> round(float(loss), 4) == round(float(lin(torch.ones(3, 2)).mean()), 4)
+        True
+    """
+
+    def __init__(self, module: nn.Module, args: tuple, kwargs: dict,
+                 context: Callable[[], Any] | None = None, synchronize: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        self.module = module
+        self.args, self.kwargs = detached((args, kwargs))
+        self._context = context
+        self._synchronize = synchronize
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None
+        with self._context() if self._context else _nothing():
+            out = self.module(*self.args, **self.kwargs)
+        leaves = [leaf for leaf in compat.tree_leaves(out) if _differentiable(leaf)]
+        loss = sum(leaf.float().mean() for leaf in leaves) if leaves else None
+        if loss is not None:
+            loss.backward()
+        self._synchronize()
+        grads = [p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm() if grads else torch.zeros(())
+        self._last = (loss.detach() if loss is not None else torch.zeros(()), norm)
+
+    def last(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last call's loss and gradient norm."""
+        return self._last
+
+
+def detached(tree: Any) -> Any:
+    """``tree`` with every tensor leaf detached from its autograd graph (keeping ``requires_grad``)."""
+    return compat.tree_map(
+        lambda leaf: leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor) else leaf,
+        tree,
+    )
+
+
+def _differentiable(leaf: Any) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def decision_path(directory: Path, key: str) -> Path:
+    """Where the decision for ``key`` (the compile cache's key and the inputs' signature) is stored."""
+    return directory / f"plan-{key}.json"

@@ -1,0 +1,86 @@
+"""The fallback that reaches backward (lightning_fuse.guard), and the truth about what ran (FitState.what_ran)."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_fuse import FuseCallback
+from lightning_fuse.compiler import CompileOptions
+from lightning_fuse.fit import FitState
+from lightning_fuse.graphs import graph_target
+from lightning_fuse.plan import Regions, Setting
+from lightning_fuse.regions import resolve_regions
+from tests.toy import ToyTask, trainer
+
+
+class Boom(torch.autograd.Function):
+    """Identity forward; its backward raises, as compiled code failing in backward (checkpoint recomputation, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise AssertionError("Unexpected state: target_frame.early_stop is set")
+
+
+def backward_breaking_backend(gm, example_inputs):
+    def run(*args):
+        out = gm(*args)
+        return type(out)(Boom.apply(o) if isinstance(o, torch.Tensor) and o.requires_grad else o for o in out)
+
+    return run
+
+
+class Losses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+
+
+def losses_of(callbacks, manual=False):
+    pl.seed_everything(0, verbose=False)
+    recorder = Losses()
+    task = ToyTask(samples=64)
+    trainer(callbacks + [recorder], max_epochs=2, limit_val_batches=0).fit(task)
+    return recorder.losses, task
+
+
+def test_a_fault_in_a_compiled_backward_on_the_first_compiled_step_costs_the_plan_not_the_run():
+    eager_losses, eager_task = losses_of([])
+    fuse = FuseCallback(mode="default", backend=backward_breaking_backend, cache_dir=False, eager_steps=2,
+                        verify=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="dropped, the rest of the fit trains eagerly: backward raised"):
+        fused_losses, fused_task = losses_of([fuse])
+    assert len(fused_losses) == len(eager_losses)
+    torch.testing.assert_close(fused_losses, eager_losses, rtol=1e-5, atol=1e-6)
+    for a, b in zip(eager_task.parameters(), fused_task.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert fuse.fit.guard is not None and fuse.fit.guard.redone_steps == 1
+    assert fuse.plan.name == "eager" and "backward raised" in fuse.fit.dropped
+    assert fuse.history[-1]["fuse/plan_dropped"] == 1.0
+
+
+def test_the_search_catches_a_backward_fault_before_any_training_step_sees_it():
+    eager_losses, _ = losses_of([])
+    fuse = FuseCallback(backend=backward_breaking_backend, cache_dir=False, eager_steps=2, verify=False)
+    fused_losses, _ = losses_of([fuse])
+    outcomes = {t.name: t.outcome for t in fuse.decision.trials}
+    assert outcomes["regions"].startswith("failed: AssertionError: Unexpected state")
+    assert fuse.plan.name == "eager" and fuse.fit.guard.redone_steps == 0
+    torch.testing.assert_close(fused_losses, eager_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_the_summary_says_a_graph_that_was_not_captured_was_not_captured():
+    task = ToyTask()
+    setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"),
+                      torch.device("cuda", 0))  # fmt: skip
+    plan = Regions(setting, graph=True)
+    plan.graph.disabled_reason = "its output holds a DynamicCache, which a graph replay cannot rebuild"
+    fit = FitState(candidates=[plan], plan=plan)
+    ran = fit.what_ran()
+    assert "graph: not captured (its output holds a DynamicCache" in ran and "CUDA graph: on" not in ran
+    assert plan.failure.startswith("no graph:")

@@ -1,0 +1,161 @@
+"""The plan chosen by measurement (lightning_fuse.search): injected timings, failures, pruning, ranks, the cache."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_fuse import FuseCallback
+from lightning_fuse.plan import Plan
+from lightning_fuse.search import Consensus, Decision, PlanSearch, Trial, TrialCall, sandbox
+from tests.toy import ToyTask
+
+
+class Clock:
+    """A fake clock: each call of the installed plan advances it by that plan's cost."""
+
+    def __init__(self) -> None:
+        self.now, self.cost = 0.0, 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self) -> None:
+        self.now += self.cost
+
+
+class Timed(Plan):
+    def __init__(self, name, ms, clock, fails=None, failure=None, dominated_by=()):
+        self.name, self.ms, self.clock, self.fails, self._failure = name, ms, clock, fails, failure
+        self.dominated_by = dominated_by
+        self.installed = False
+
+    def install(self):
+        self.installed, self.clock.cost = True, self.ms / 1e3
+        if self.fails:
+            self.clock.cost = None
+
+    def uninstall(self):
+        self.installed = False
+
+    @property
+    def failure(self):
+        return self._failure
+
+
+def run(plans, clock, **kwargs):
+    def call():
+        if clock.cost is None:
+            raise RuntimeError("Unexpected state: target_frame.early_stop is set")
+        clock.tick()
+
+    return PlanSearch(plans, clock=clock, **kwargs).run(call)
+
+
+def test_the_fastest_candidate_wins_and_every_trial_is_reported():
+    clock = Clock()
+    plans = [Timed("eager", 10, clock), Timed("regions+graph", 3, clock), Timed("reduce-overhead", 4, clock)]
+    decision = run(plans, clock)
+    assert decision.winner == "regions+graph"
+    assert [(t.name, t.outcome) for t in decision.trials] == [
+        ("eager", "slower than regions+graph"),
+        ("regions+graph", "chosen"),
+        ("reduce-overhead", "slower than regions+graph"),
+    ]
+    assert [t.ms for t in decision.trials] == pytest.approx([10.0, 3.0, 4.0])
+    assert not any(plan.installed for plan in plans)  # the search leaves nothing installed
+
+
+def test_a_candidate_that_raises_or_is_not_what_it_claims_is_skipped():
+    clock = Clock()
+    plans = [Timed("eager", 10, clock), Timed("regions", 1, clock, fails=True),
+             Timed("regions+graph", 2, clock, failure="no graph: its output holds a DynamicCache"),
+             Timed("compile", 8, clock)]  # fmt: skip
+    decision = run(plans, clock)
+    assert decision.winner == "compile"
+    outcomes = {t.name: t.outcome for t in decision.trials}
+    assert outcomes["regions"] == "failed: RuntimeError: Unexpected state: target_frame.early_stop is set"
+    assert outcomes["regions+graph"] == "failed: no graph: its output holds a DynamicCache"
+
+
+def test_eager_wins_when_nothing_beats_it():
+    clock = Clock()
+    decision = run([Timed("eager", 5, clock), Timed("regions", 6, clock)], clock)
+    assert decision.winner == "eager" and decision.trials[1].outcome == "slower than eager"
+
+
+def test_a_candidate_dominated_by_a_faster_one_is_not_compiled():
+    clock = Clock()
+    plans = [Timed("eager", 10, clock), Timed("regions+graph", 3, clock),
+             Timed("regions", 1, clock, dominated_by=("regions+graph",))]  # fmt: skip
+    decision = run(plans, clock)
+    assert decision.trials[2].outcome.startswith("skipped: regions+graph does what it does")
+    assert decision.trials[2].ms is None and decision.winner == "regions+graph"
+
+
+def test_a_candidate_failing_on_another_rank_is_dropped_and_rank_zero_times_decide():
+    clock = Clock()
+    votes = iter([True, False, True])  # the second candidate failed on some other rank
+    consensus = Consensus(agree=lambda ok: ok and next(votes), share=lambda ms: None if ms is None else ms * 10)
+    plans = [Timed("eager", 10, clock), Timed("regions", 1, clock), Timed("compile", 5, clock)]
+    decision = run(plans, clock, consensus=consensus)
+    assert decision.trials[1].outcome == "failed: it failed on another rank"
+    assert decision.winner == "compile" and decision.trials[2].ms == pytest.approx(50.0)  # rank zero's number
+
+
+def test_a_candidate_whose_loss_differs_from_eager_is_dropped():
+    clock = Clock()
+    losses = iter([(torch.tensor(1.0), torch.tensor(2.0)), (torch.tensor(1.5), torch.tensor(2.0))])
+    plans = [Timed("eager", 10, clock), Timed("regions", 1, clock)]
+    decision = run(plans, clock, reference=lambda: next(losses))
+    assert decision.winner == "eager" and decision.trials[1].outcome.startswith("failed: its loss 1.5 differs")
+
+
+def test_decision_round_trips_through_json():
+    decision = Decision("regions", [Trial("eager", 2.0, "slower than regions"), Trial("regions", 1.0, "chosen")])
+    back = Decision.from_json(decision.to_json())
+    assert back.winner == "regions" and back.trials == decision.trials and back.cached
+    assert back.lines()[1] == "regions     1.00 ms  chosen"
+
+
+def test_trials_leave_gradients_buffers_and_rng_as_they_were():
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.3))
+    net(torch.randn(6, 4)).sum().backward()
+    grads, buffers = [p.grad.clone() for p in net.parameters()], [b.clone() for b in net.buffers()]
+    call = TrialCall(net, (torch.randn(6, 4),), {})
+    rng = torch.get_rng_state()
+    with sandbox(net):
+        for _ in range(3):
+            call()
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, net.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers()))
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def fit(callback, epochs=1):
+    trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, accelerator="cpu", limit_val_batches=0)  # fmt: skip
+    trainer.fit(ToyTask(samples=96))
+    return callback
+
+
+def test_a_fit_chooses_by_measurement_and_a_warm_fit_reuses_the_cached_decision(tmp_path):
+    first = fit(FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2))
+    assert first.decision is not None and not first.decision.cached
+    assert [t.name for t in first.decision.trials] == ["eager", "regions", "compile"]
+    assert first.plan.name == first.decision.winner
+    assert list(tmp_path.rglob("plan-*.json"))
+    second = fit(FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2))
+    assert second.decision.cached and second.decision.winner == first.decision.winner
+    assert second.plan.reason == "from the cached decision"
+
+
+def test_explicit_settings_force_the_plan_without_a_search():
+    callback = fit(FuseCallback(backend="eager", cache_dir=False, mode="default", eager_steps=2))
+    assert callback.decision is None and callback.plan.name == "regions"
+    assert "mode='default'" in callback.plan.describe()
+
+
+@pytest.mark.parametrize("kwargs", [{"reference_budget": 0}, {"reference_budget": 0.9}])
+def test_reference_budget_is_checked(kwargs):
+    with pytest.raises(ValueError, match="reference_budget"):
+        FuseCallback(**kwargs)
