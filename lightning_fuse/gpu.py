@@ -5,6 +5,18 @@ r"""GPU utilisation sampling through NVML, and model FLOPs utilisation (MFU).
 Hopper the sampler also reads the GPM metrics ``SM_UTIL`` and ``ANY_TENSOR_UTIL``, which say how much of the chip
 was busy. MFU (``mfu``) is the better headline: FLOPs of one step (``count_step_flops``) over its time, divided by
 the dense peak of the device (``peak_flops``).
+
+The sampler is built from small pieces: ``_NvmlDevice`` (NVML init, the device handle, shutdown) reads the plain
+counters (``_read_counters``) and, through ``_GpmReader``, GPM's; ``_Window`` aggregates what the thread samples
+until the trainer reads it; ``GpuSampler`` owns the thread and turns NVML failures into one warning.
+
+Example::
+
+    >>> sampler = GpuSampler(hz=10.0)  # start() would begin sampling; False without NVML or a GPU
+    >>> sampler.read_and_reset()  # nothing sampled yet
+    {}
+    >>> mfu(flops_per_batch=4e12, step_s=0.01, peak=1e15)  # 4e14 FLOP/s of a 1e15 peak
+    0.4
 """
 
 from __future__ import annotations
@@ -13,7 +25,7 @@ import importlib
 import logging
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -21,6 +33,8 @@ from types import ModuleType
 from typing import Any, Callable
 
 import torch
+
+from lightning_fuse import compat
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.flop_counter import FlopCounterMode
@@ -61,6 +75,125 @@ class _Running:
         self.peak = max(self.peak, value)
 
 
+class _Window:
+    """The running aggregates of every metric since the last read; the sampling thread adds, the trainer reads."""
+
+    _KEYS = ("gpu_util", "gpu_mem_gb", "sm_clock_mhz", *_GPM_METRICS)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = {key: _Running() for key in self._KEYS}
+
+    def add(self, values: Iterable[tuple[str, float]]) -> None:
+        with self._lock:
+            for key, value in values:
+                self._stats[key].add(value)
+
+    def read_and_reset(self) -> dict[str, float]:
+        """Means of every metric (maxima of memory and utilisation), then an empty window."""
+        with self._lock:
+            stats, self._stats = self._stats, {key: _Running() for key in self._KEYS}
+        means = {key: s.total / s.count for key, s in stats.items() if s.count and key != "gpu_mem_gb"}
+        if stats["gpu_util"].count:
+            means["gpu_util_max"] = stats["gpu_util"].peak
+        if stats["gpu_mem_gb"].count:
+            means["gpu_mem_gb"] = stats["gpu_mem_gb"].peak
+        return means
+
+
+def _read_counters(nvml: Any, handle: Any) -> list[tuple[str, float]]:
+    """``utilization.gpu`` (%), used memory (GB) and the SM clock (MHz) of one GPU, in that order."""
+    util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    mem_gb = nvml.nvmlDeviceGetMemoryInfo(handle).used / 1e9
+    clock = float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
+    return [("gpu_util", util), ("gpu_mem_gb", mem_gb), ("sm_clock_mhz", clock)]
+
+
+def _gpm_supported(nvml: Any, handle: Any) -> bool:
+    try:
+        return bool(nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+    except Exception as err:  # pre-Hopper GPU, old driver or old pynvml: sample without GPM
+        log.debug(f"NVML GPM is unavailable ({err!r}); sm_active and tensor_active will not be sampled.")
+        return False
+
+
+class _GpmReader:
+    """Two GPM sample buffers and one metrics request: each :meth:`read` gives the activity since the last one.
+
+    The first read only takes a baseline and returns nothing. Callers hold ``_NVML_CALLS``.
+    """
+
+    def __init__(self, nvml: Any, handle: Any) -> None:
+        self._nvml, self._handle = nvml, handle
+        request = nvml.c_nvmlGpmMetricsGet_t()  # one request, reused by every read
+        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(_GPM_METRICS)
+        for slot, constant in zip(request.metrics, _GPM_METRICS.values()):
+            slot.metricId = getattr(nvml, constant)
+        self._request = request
+        self._samples: list[Any] = []  # [previous, current] once allocated
+        self._primed = False  # the previous sample holds data
+
+    def allocate(self) -> None:
+        """Allocate the two sample buffers, one at a time, so that :meth:`free` frees what was allocated."""
+        for _ in range(2):
+            self._samples.append(self._nvml.nvmlGpmSampleAlloc())
+
+    def read(self) -> list[tuple[str, float]]:
+        """Take a GPM sample and return the metrics between it and the previous one (none for the first)."""
+        nvml, (previous, current) = self._nvml, self._samples
+        nvml.nvmlGpmSampleGet(self._handle, current)
+        values = []
+        if self._primed:
+            request = self._request
+            request.sample1, request.sample2 = previous, current
+            nvml.nvmlGpmMetricsGet(request)
+            for key, slot in zip(_GPM_METRICS, request.metrics):
+                if slot.nvmlReturn == nvml.NVML_SUCCESS:
+                    values.append((key, float(slot.value)))
+        self._samples.reverse()  # the sample just taken is the next one's baseline
+        self._primed = True
+        return values
+
+    def free(self) -> None:
+        for sample in self._samples:
+            _quietly(self._nvml.nvmlGpmSampleFree, sample)
+        self._samples = []
+
+
+class _NvmlDevice:
+    """NVML initialised for one GPU: its handle and, where supported, a GPM reader. Callers hold ``_NVML_CALLS``."""
+
+    def __init__(self, nvml: Any) -> None:
+        self.nvml = nvml
+        self._handle: Any = None
+        self._gpm: _GpmReader | None = None
+        self._initialised = False  # nvmlInit succeeded and nvmlShutdown is owed
+
+    def open(self, index: int) -> None:
+        """``nvmlInit``, the device's handle and GPM where supported; on an error, :meth:`close` undoes the rest."""
+        self.nvml.nvmlInit()
+        self._initialised = True
+        self._handle = self.nvml.nvmlDeviceGetHandleByIndex(index)
+        if _gpm_supported(self.nvml, self._handle):
+            self._gpm = _GpmReader(self.nvml, self._handle)
+            self._gpm.allocate()
+
+    def sample(self) -> list[tuple[str, float]]:
+        """One sample of every metric: the plain counters, then GPM's (none on GPM's first read)."""
+        values = _read_counters(self.nvml, self._handle)
+        return values + (self._gpm.read() if self._gpm is not None else [])
+
+    def close(self) -> None:
+        """Free the GPM buffers and shut NVML down; safe to call more than once."""
+        if self._gpm is not None:
+            self._gpm.free()
+            self._gpm = None
+        if self._initialised:
+            _quietly(self.nvml.nvmlShutdown)
+            self._initialised = False
+
+
 class GpuSampler:
     r"""Samples one GPU's NVML counters on a background thread and aggregates them between reads.
 
@@ -96,15 +229,10 @@ class GpuSampler:
         self.device_index = device_index
         self.period_s = 1.0 / hz
         self._nvml = nvml
-        self._handle: Any = None
-        self._gpm_samples: list[Any] = []  # [previous, current] once GPM is on
-        self._gpm_request: Any = None  # one c_nvmlGpmMetricsGet_t, reused by every sample
-        self._gpm_primed = False  # the previous GPM sample holds data
-        self._stats = self._empty_stats()
-        self._lock = threading.Lock()
+        self._device: _NvmlDevice | None = None
+        self._window = _Window()
         self._stop_event = threading.Event()
         self._thread: threading.Thread | None = None
-        self._initialised = False  # nvmlInit succeeded and nvmlShutdown is owed
         self._error: Exception | None = None  # NVML failure seen by the thread, not yet warned about
 
     def start(self) -> bool:
@@ -123,7 +251,11 @@ class GpuSampler:
                 return True
             self.stop()  # the thread ended on an NVML error: clean up (and warn) before trying again
         try:
-            self._open()
+            with _NVML_CALLS:
+                if self._nvml is None:
+                    self._nvml = importlib.import_module("pynvml")
+                self._device = _NvmlDevice(self._nvml)
+                self._device.open(self.device_index)
             self._sample()
         except Exception as err:  # NVMLError, ImportError, OSError (no libnvidia-ml.so): all mean "no GPU metrics"
             log.info(f"GPU sampling is off: NVML device {self.device_index} is unavailable ({err!r}).")
@@ -146,14 +278,8 @@ class GpuSampler:
             >>> GpuSampler().read_and_reset()  # never started: no samples
             {}
         """
-        with self._lock:
-            stats, self._stats = self._stats, self._empty_stats()
+        means = self._window.read_and_reset()
         self._warn_if_failed()
-        means = {key: s.total / s.count for key, s in stats.items() if s.count and key != "gpu_mem_gb"}
-        if stats["gpu_util"].count:
-            means["gpu_util_max"] = stats["gpu_util"].peak
-        if stats["gpu_mem_gb"].count:
-            means["gpu_mem_gb"] = stats["gpu_mem_gb"].peak
         return means
 
     def stop(self) -> None:
@@ -175,51 +301,6 @@ class GpuSampler:
         self._close()
         self._warn_if_failed()
 
-    @staticmethod
-    def _empty_stats() -> dict[str, _Running]:
-        return {key: _Running() for key in ("gpu_util", "gpu_mem_gb", "sm_clock_mhz", *_GPM_METRICS)}
-
-    def _open(self) -> None:
-        with _NVML_CALLS:
-            self._open_unlocked()
-
-    def _open_unlocked(self) -> None:
-        if self._nvml is None:
-            self._nvml = importlib.import_module("pynvml")
-        nvml = self._nvml
-        nvml.nvmlInit()
-        self._initialised = True
-        self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
-        self._gpm_primed = False
-        if self._gpm_supported():
-            request = nvml.c_nvmlGpmMetricsGet_t()
-            request.version = nvml.NVML_GPM_METRICS_GET_VERSION
-            request.numMetrics = len(_GPM_METRICS)
-            for slot, constant in zip(request.metrics, _GPM_METRICS.values()):
-                slot.metricId = getattr(nvml, constant)
-            self._gpm_request = request
-            self._gpm_samples = [nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()]
-
-    def _gpm_supported(self) -> bool:
-        try:
-            return bool(self._nvml.nvmlGpmQueryDeviceSupport(self._handle).isSupportedDevice)
-        except Exception as err:  # pre-Hopper GPU, old driver or old pynvml: sample without GPM
-            log.debug(f"NVML GPM is unavailable ({err!r}); sm_active and tensor_active will not be sampled.")
-            return False
-
-    def _close(self) -> None:
-        with _NVML_CALLS:
-            self._close_unlocked()
-
-    def _close_unlocked(self) -> None:
-        nvml = self._nvml
-        for sample in self._gpm_samples:
-            _quietly(nvml.nvmlGpmSampleFree, sample)
-        self._gpm_samples, self._gpm_request = [], None
-        if self._initialised:
-            _quietly(nvml.nvmlShutdown)
-            self._initialised = False
-
     def _run(self) -> None:
         while not self._stop_event.wait(self.period_s):
             try:
@@ -230,36 +311,14 @@ class GpuSampler:
 
     def _sample(self) -> None:
         with _NVML_CALLS:
-            self._sample_unlocked()
+            values = self._device.sample()
+        self._window.add(values)
 
-    def _sample_unlocked(self) -> None:
-        nvml, handle = self._nvml, self._handle
-        util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-        mem_gb = nvml.nvmlDeviceGetMemoryInfo(handle).used / 1e9
-        clock = float(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
-        gpm = self._sample_gpm() if self._gpm_samples else ()
-        with self._lock:
-            self._stats["gpu_util"].add(util)
-            self._stats["gpu_mem_gb"].add(mem_gb)
-            self._stats["sm_clock_mhz"].add(clock)
-            for key, value in gpm:
-                self._stats[key].add(value)
-
-    def _sample_gpm(self) -> list[tuple[str, float]]:
-        """Take a GPM sample and return the metrics between it and the previous one (none for the first)."""
-        nvml, (previous, current) = self._nvml, self._gpm_samples
-        nvml.nvmlGpmSampleGet(self._handle, current)
-        values = []
-        if self._gpm_primed:
-            request = self._gpm_request
-            request.sample1, request.sample2 = previous, current
-            nvml.nvmlGpmMetricsGet(request)
-            for key, slot in zip(_GPM_METRICS, request.metrics):
-                if slot.nvmlReturn == nvml.NVML_SUCCESS:
-                    values.append((key, float(slot.value)))
-        self._gpm_samples.reverse()  # the sample just taken is the next one's baseline
-        self._gpm_primed = True
-        return values
+    def _close(self) -> None:
+        device, self._device = self._device, None
+        if device is not None:
+            with _NVML_CALLS:
+                device.close()
 
     def _warn_if_failed(self) -> None:
         err, self._error = self._error, None
@@ -406,8 +465,8 @@ def _tolerant(op: Any, formula: Callable[..., int], uncounted: set[str]) -> Call
 def nvml_index(device: torch.device) -> int:
     """NVML numbers GPUs physically; CUDA_VISIBLE_DEVICES renumbers them for torch."""
     try:
-        return torch.cuda._get_nvml_device_index(device.index or 0)  # noqa: SLF001 - what torch.cuda.utilization uses
-    except Exception:  # noqa: BLE001 - fall back to torch's numbering
+        return compat.nvml_device_index(device.index or 0)
+    except Exception:  # noqa: BLE001 - NVML itself failed to answer: torch's numbering
         return device.index or 0
 
 

@@ -1,12 +1,31 @@
+"""Tests for lightning_fuse.timing: step timers, the budgeted eager reference schedule and the speedup interval."""
+
+from __future__ import annotations
+
+import math
+import statistics
 import time
 
+import numpy as np
 import pytest
 import torch
 
-from lightning_fuse.metrics import epoch_metrics, summary_table
 from lightning_fuse.profiling import _union_us
-from lightning_fuse.shapes import CompileTracker
-from lightning_fuse.timing import CHUNK, COMPILED, EAGER, SKIPPED, EagerSchedule, EpochTiming, StepTimer, summarize
+from lightning_fuse.timing import (
+    CHUNK,
+    COMPILED,
+    EAGER,
+    LEAD_IN,
+    SKIPPED,
+    EagerSchedule,
+    ReferencePool,
+    StepTimer,
+    affordable_reference,
+    speedup_interval,
+    summarize,
+)
+
+# ------------------------------------------------------------------ the schedule: fit start and the dense mode
 
 
 def test_the_schedule_runs_warmup_and_profiled_steps_eagerly_at_fit_start_untimed():
@@ -17,25 +36,25 @@ def test_the_schedule_runs_warmup_and_profiled_steps_eagerly_at_fit_start_untime
     assert not any(schedule.is_timed(s) for s in range(5))
 
 
-def test_each_epoch_spreads_its_timed_eager_steps_in_chunks_after_an_untimed_lead_in():
-    schedule = EagerSchedule(eager_steps=20, warmup=3)
+def test_without_a_budget_each_epoch_spreads_eager_steps_in_chunks_after_an_untimed_lead_in():
+    schedule = EagerSchedule(eager_steps=20, reference_budget=None, warmup=3)
     assert schedule.plan_epoch(first_step=0, steps=200, settle=3) == 20
     eager = [s for s in range(200) if schedule.is_eager(s)]
     timed = [s for s in range(200) if schedule.is_timed(s)]
     assert eager[:3] == [0, 1, 2] and len(timed) == 20 and len(eager) == 3 + 20 + 4  # 4 chunks of 5, 4 lead-ins
     chunks = [timed[i : i + CHUNK] for i in range(0, 20, CHUNK)]
     assert all(chunk == list(range(chunk[0], chunk[0] + CHUNK)) for chunk in chunks)  # contiguous runs of 5
-    assert all(schedule.is_eager(chunk[0] - 1) and not schedule.is_timed(chunk[0] - 1) for chunk in chunks)
+    assert all(schedule.is_lead_in(chunk[0] - 1) and not schedule.is_timed(chunk[0] - 1) for chunk in chunks)
     assert min(eager[3:]) > 6 and max(timed) < 199  # after compile and warmup; never the epoch's last step
     gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
     assert max(gaps) - min(gaps) <= 1  # evenly spaced over the epoch
     assert schedule.plan_epoch(first_step=200, steps=200, settle=3) == 20  # the next epoch: its own chunks
-    assert not any(schedule.is_timed(s) for s in range(200)) and min(eager[3:]) > 6
+    assert not any(schedule.is_timed(s) for s in range(200))
     assert [s for s in range(200, 400) if schedule.is_timed(s)][0] - 200 < chunks[0][0]  # no settle steps now
 
 
 def test_a_short_epoch_gets_at_most_a_third_of_its_steps_as_reference_and_a_tiny_one_none():
-    schedule = EagerSchedule(eager_steps=20, warmup=3)
+    schedule = EagerSchedule(eager_steps=20, reference_budget=None, warmup=3)
     placed = schedule.plan_epoch(first_step=100, steps=31, settle=3)
     assert placed == 8  # 8 timed + 2 lead-ins = 10 of the epoch's 30 steps that can have an end
     assert sum(schedule.is_eager(s) for s in range(100, 131)) == 10
@@ -45,8 +64,194 @@ def test_a_short_epoch_gets_at_most_a_third_of_its_steps_as_reference_and_a_tiny
 
 def test_eager_steps_zero_runs_nothing_eagerly():
     schedule = EagerSchedule(eager_steps=0, profiled=3)
-    assert schedule.plan_epoch(first_step=0, steps=500, settle=1) == 0
+    assert schedule.plan_epoch(first_step=0, steps=500, settle=1, eager_ms=20.0, compiled_ms=10.0) == 0
     assert schedule.start_length == 0 and not any(schedule.is_eager(s) or schedule.is_timed(s) for s in range(500))
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"eager_steps": -1}, "`eager_steps` must be >= 0"),
+    ({"reference_budget": 0.0}, r"`reference_budget` must be in \(0, 0.5\]"),
+    ({"reference_budget": 0.9}, "eager_steps=0 to turn"),
+])  # fmt: skip
+def test_the_schedule_rejects_bad_arguments_saying_what_to_do(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EagerSchedule(**kwargs)
+
+
+# ------------------------------------------------------------------ the schedule: a time budget
+
+
+def test_the_first_measurement_is_one_chunk_right_after_compile_and_warmup():
+    schedule = EagerSchedule(eager_steps=20, warmup=3)
+    assert schedule.plan_epoch(first_step=0, steps=1000, settle=2) == CHUNK  # nothing known: one chunk
+    assert [s for s in range(1000) if schedule.is_lead_in(s)] == [5]
+    assert [s for s in range(1000) if schedule.is_timed(s)] == [6, 7, 8, 9, 10]
+
+
+def test_the_first_measurement_is_retried_until_an_epoch_has_room_for_it():
+    schedule = EagerSchedule(eager_steps=20, warmup=3)
+    assert schedule.plan_epoch(first_step=0, steps=8, settle=1) == 0  # 3 steps of room: too few for 1 + 5
+    assert schedule.plan_epoch(first_step=8, steps=50, settle=1) == CHUNK  # still nothing measured: try again
+    assert [s for s in range(8, 58) if schedule.is_lead_in(s)] == [8]
+
+
+def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 0.02, eager_steps: int = 20,
+                 compiled_ms: float = 10.0) -> tuple[list[int], list[float]]:  # fmt: skip
+    """Plan a fit epoch by epoch with the true step times as estimates; per epoch, the reference steps placed and
+    the reference's share of the fit's training time up to that epoch's end."""
+    eager_ms = compiled_ms * speedup
+    schedule = EagerSchedule(eager_steps=eager_steps, reference_budget=budget, warmup=3)
+    placed, shares, reference_ms, train_ms = [], [], 0.0, 0.0
+    for epoch in range(epochs):
+        first = epoch * epoch_steps
+        known = {"eager_ms": eager_ms, "compiled_ms": compiled_ms} if epoch else {}
+        timed = schedule.plan_epoch(first, epoch_steps, settle=1, **known)
+        steps = range(first, first + epoch_steps)
+        reference = sum(schedule.is_timed(s) or schedule.is_lead_in(s) for s in steps)
+        assert reference == timed + math.ceil(timed / CHUNK) and timed <= eager_steps
+        eager = sum(schedule.is_eager(s) for s in steps)  # reference and fit-start steps
+        reference_ms += reference * eager_ms
+        train_ms += eager * eager_ms + (epoch_steps - eager) * compiled_ms
+        placed.append(reference)
+        shares.append(reference_ms / train_ms)
+    return placed, shares
+
+
+@pytest.mark.parametrize("epoch_steps", [50, 1000])
+@pytest.mark.parametrize("speedup", [1.1, 5.0])
+def test_the_reference_stays_within_its_budget_over_a_fit_and_keeps_measuring(epoch_steps, speedup):
+    budget, chunk_steps = 0.02, CHUNK + 1
+    payback_steps = chunk_steps * speedup / budget  # steps after which the first chunk's debt is repaid
+    epochs = max(5, math.ceil(8 * payback_steps / epoch_steps))  # long enough for a few chunks after the first
+    placed, shares = simulate_fit(epochs, epoch_steps, speedup, budget)
+    assert placed[0] == chunk_steps, "the first epoch measures once, before anything is known"
+    assert shares[-1] <= budget, f"the reference took {shares[-1]:.2%} of the fit"
+    assert shares[-1] >= 0.6 * budget, f"only {shares[-1]:.2%}: the budget should be used to follow drift"
+    for epoch, share in enumerate(shares):
+        if (epoch + 1) * epoch_steps >= 1.05 * payback_steps:
+            assert share <= budget, f"over budget after epoch {epoch}: {share:.2%}"
+    chunk_epochs = [epoch for epoch, steps in enumerate(placed) if steps]
+    assert len(chunk_epochs) >= 4, f"re-measured in epochs {chunk_epochs} only"
+
+
+def test_the_budget_ledger_survives_a_checkpoint():
+    schedule = EagerSchedule(eager_steps=20)
+    schedule.plan_epoch(first_step=0, steps=100, settle=1)
+    schedule.plan_epoch(first_step=100, steps=100, settle=1, eager_ms=30.0, compiled_ms=10.0)
+    resumed = EagerSchedule(eager_steps=20)
+    resumed.load_state_dict(schedule.state_dict())
+    assert resumed.credit_ms == schedule.credit_ms < 0  # still repaying the first chunk
+
+
+@pytest.mark.parametrize(("epochs", "epoch_steps", "speedup"), [(1, 50, 5.0), (1, 1000, 5.0), (3, 50, 1.1)])
+def test_a_short_fit_always_gets_one_measurement_and_no_more(epochs, epoch_steps, speedup):
+    placed, shares = simulate_fit(epochs, epoch_steps, speedup)
+    assert placed[0] == CHUNK + 1 and sum(placed) == CHUNK + 1  # the floor: one chunk, the least that measures
+    assert shares[-1] > 0
+
+
+def test_eager_steps_caps_each_epoch_and_the_rest_is_carried_as_credit():
+    placed, shares = simulate_fit(epochs=20, epoch_steps=1000, speedup=1.1, eager_steps=4)
+    assert max(placed) == 5 and shares[-1] < 0.01  # 4 timed + 1 lead-in: the cap binds, the budget does not
+
+
+@pytest.mark.parametrize("epoch_steps", [50, 1000])
+@pytest.mark.parametrize("speedup", [1.1, 5.0])
+def test_affordable_reference_never_spends_more_than_the_epochs_earned(epoch_steps, speedup):
+    compiled_ms, budget, credit = 10.0, 0.02, 0.0
+    eager_ms, reference, total = compiled_ms * speedup, 0, 0.0
+    for _ in range(200):
+        timed, credit = affordable_reference(epoch_steps, eager_ms, compiled_ms, budget, credit)
+        steps = timed + math.ceil(timed / CHUNK)
+        assert credit >= 0 and timed % CHUNK == 0 and timed <= 20
+        reference += steps
+        total += steps * eager_ms + (epoch_steps - steps) * compiled_ms
+    share = reference * eager_ms / total
+    assert 0.8 * budget <= share <= budget
+
+
+def test_affordable_reference_says_what_was_wrong_with_a_step_time():
+    with pytest.raises(ValueError, match="Step times must be > 0 ms, got eager_ms=0"):
+        affordable_reference(100, eager_ms=0.0, compiled_ms=10.0)
+
+
+# ------------------------------------------------------------------ the interval
+
+
+def lognormal_steps(rng: np.random.Generator, median_ms: float, n: int, sigma: float = 0.15) -> np.ndarray:
+    return rng.lognormal(math.log(median_ms), sigma, n)  # the median of a lognormal is exp(mu)
+
+
+@pytest.mark.parametrize(("true_ratio", "n_eager", "n_compiled"), [(3.0, 10, 100), (0.9, 5, 300), (1.4, 20, 1000)])
+def test_the_interval_covers_the_true_speedup_in_nine_of_ten_trials(true_ratio, n_eager, n_compiled):
+    covered = 0
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        eager = lognormal_steps(rng, 10.0 * true_ratio, n_eager)
+        compiled = lognormal_steps(rng, 10.0, n_compiled)
+        point, low, high = speedup_interval(eager, compiled)
+        assert low <= point <= high
+        covered += low <= true_ratio <= high
+    assert covered >= 180, f"covered the truth in {covered} of 200 trials"
+
+
+def test_the_interval_narrows_with_more_steps():
+    widths = []
+    for n_eager, n_compiled in [(5, 50), (20, 200), (80, 800)]:
+        half_widths = []
+        for seed in range(30):
+            rng = np.random.default_rng(seed)
+            _, low, high = speedup_interval(lognormal_steps(rng, 30.0, n_eager), lognormal_steps(rng, 10.0, n_compiled))
+            half_widths.append((high - low) / 2)
+        widths.append(statistics.mean(half_widths))
+    assert widths[0] > 1.5 * widths[1] > 1.5 * 1.5 * widths[2], widths
+
+
+def test_a_plan_slower_than_eager_reads_below_one_with_its_interval():
+    rng = np.random.default_rng(0)
+    point, low, high = speedup_interval(lognormal_steps(rng, 9.0, 20), lognormal_steps(rng, 10.0, 200))
+    assert 0.8 < low < point < high < 1.0  # not clamped at 1
+
+
+def test_the_interval_is_reproducible_and_cheap_on_a_long_epoch():
+    rng = np.random.default_rng(1)
+    eager, compiled = lognormal_steps(rng, 30.0, 20), lognormal_steps(rng, 10.0, 100_000)
+    started = time.perf_counter()
+    first = speedup_interval(eager, compiled)
+    assert time.perf_counter() - started < 2.0  # the compiled side is thinned for the bootstrap
+    assert speedup_interval(eager, compiled) == first
+    assert first[0] == pytest.approx(np.median(eager) / np.median(compiled))  # the point uses every step
+
+
+@pytest.mark.parametrize(("eager", "compiled", "expected"), [
+    ([], [10.0, 11.0], (None, None, None)),
+    ([20.0, 21.0], [], (None, None, None)),
+    ([20.0], [10.0, 10.0], (2.0, None, None)),
+    ([20.0, 22.0], [10.0], (2.1, None, None)),
+    ([20.0, 20.0], [10.0, 10.0], (2.0, None, None)),
+    ([20.0, 20.0], [0.0, 0.0], (None, None, None)),
+])  # fmt: skip
+def test_degenerate_samples_give_the_point_alone_and_never_raise(eager, compiled, expected):
+    point, low, high = speedup_interval(eager, compiled)
+    assert (point, low, high) == (pytest.approx(expected[0]) if expected[0] else None, *expected[1:])
+
+
+def test_the_reference_pool_keeps_the_last_chunks_so_the_median_follows_drift():
+    pool = ReferencePool(chunks=2)
+    assert pool.median() is None and pool.epochs is None
+    pool.add([30.0] * 5, epoch=0)
+    pool.add([33.0] * 5, epoch=3)
+    pool.add([36.0] * 5, epoch=6)  # the machine's eager speed drifted: the oldest chunk leaves
+    assert pool.samples == [33.0] * 5 + [36.0] * 5 and pool.epochs == (3, 6)
+    assert pool.median() == pytest.approx(34.5)
+    restored = ReferencePool(chunks=2)
+    restored.load_state_dict(pool.state_dict())
+    assert restored.samples == pool.samples and restored.epochs == (3, 6)
+    with pytest.raises(ValueError, match="`chunks` must be >= 1"):
+        ReferencePool(chunks=0)
+
+
+# ------------------------------------------------------------------ timers and summaries
 
 
 def test_cpu_timer_times_each_step_to_the_next_start_by_kind():
@@ -76,26 +281,25 @@ def test_cpu_timer_leaves_interrupted_and_unfinished_steps_untimed():
     assert timer.collect() == {COMPILED: [pytest.approx(0, abs=5)]}
 
 
-def test_epoch_metrics_leave_out_what_was_not_measured():
-    row = epoch_metrics(EpochTiming(None, None, 0, 0), batch_size=8, compile_s=3.0)
-    assert row == {"fuse/compile_s": 3.0, "fuse/recompiles": 0.0}
-    slower = epoch_metrics(EpochTiming(12.0, 10.0, 5, 5), batch_size=8, compile_s=3.0)
-    assert slower["fuse/speedup"] == pytest.approx(10 / 12) and "fuse/break_even_step" not in slower
-    full = epoch_metrics(EpochTiming(10.0, 20.0, 5, 5), 8, 3.0, items_per_batch=800, flops_per_batch=1e12,
-                         peak_flops=1e15)
-    assert full["fuse/samples_per_s"] == pytest.approx(800) and full["fuse/items_per_s"] == pytest.approx(8e4)
-    assert full["fuse/mfu"] == pytest.approx(0.1) and full["fuse/break_even_step"] == 300
+def test_cpu_timer_reports_skipped_steps_on_request_but_never_interrupted_ones():
+    timer = StepTimer(torch.device("cpu"))
+    for kind in (SKIPPED, LEAD_IN, EAGER, COMPILED):
+        timer.start()
+        timer.stop(kind)
+    timer.interrupt()
+    timer.start()
+    times = timer.collect(include_skipped=True)
+    assert sorted(times) == [EAGER, LEAD_IN, SKIPPED] and len(times[SKIPPED]) == 1
 
 
-def test_summary_table_has_a_row_per_epoch_and_region_notes():
-    tracker = CompileTracker()
-    stats = tracker.stats("model.blocks.0")
-    stats.compiles, stats.recompiles = 2, 1
-    stats.recompile_reasons.append("size mismatch at index 0")
-    stats.break_reasons.append("Data-dependent branching")
-    text = summary_table([{"fuse/step_ms": 2.0, "fuse/speedup": 1.5}, {"fuse/mfu": 0.25}], tracker, "plan x")
-    assert "| 0 | 2.00 | - | 1.50x |" in text and "| 25.0 |" in text
-    assert "model.blocks.0 recompiled: size mismatch" in text and "data-dependent control flow" in text
+def test_summarize_compares_with_the_pooled_reference_and_measures_its_cost():
+    times = {COMPILED: [10.0] * 8, EAGER: [30.0, 31.0], LEAD_IN: [35.0], SKIPPED: [1000.0]}
+    timing = summarize(times, reference=[29.0, 30.0, 31.0, 32.0, 33.0])
+    assert timing.eager_step_ms == 31.0 and timing.eager_steps == 5 and timing.speedup == pytest.approx(3.1)
+    assert timing.speedup_low <= 3.1 <= timing.speedup_high
+    assert timing.reference_cost == pytest.approx(96.0 / (80.0 + 96.0 + 1000.0))
+    empty = summarize({})
+    assert empty.speedup is None and empty.speedup_low is None and empty.reference_cost is None
 
 
 def test_kernel_busy_time_is_the_union_of_overlapping_kernels():
