@@ -30,6 +30,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_fuse.compat import dynamo_counters
+
 log = logging.getLogger(__name__)
 
 ARTIFACTS = "mega_cache.bin"
@@ -143,8 +145,7 @@ class CompileCache:
 
 def cache_counters() -> tuple[int, int]:
     """(hits, misses) of inductor's FX-graph cache and AOTAutograd's cache so far in this process."""
-    from torch._dynamo.utils import counters
-
+    counters = dynamo_counters()
     hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
     misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
     return hits, misses

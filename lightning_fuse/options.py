@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_origin
 
-import torch
-
+from lightning_fuse.buckets import PadToBuckets
+from lightning_fuse.compat import backend_names, inductor_option_type, inductor_options, is_backend
 from lightning_fuse.compiler import LIMIT_ACTIONS, MODES
 from lightning_fuse.regions import Target, normalize_targets
 from lightning_fuse.shapes import DimSpec, DynamicDims
@@ -48,6 +48,8 @@ class FuseOptions:
     on_recompile_limit: str = "eager"
     warmup_steps: int | None = None
     eager_steps: int = 20
+    reference_budget: float = 0.02
+    pad_buckets: Sequence[int] | None = None
     gpu_sample_hz: float = 10.0
     profile_steps: int = 0
     length_fn: Callable[[Any], int] | None = None
@@ -79,6 +81,17 @@ class FuseOptions:
             )
         _int_at_least("recompile_limit", self.recompile_limit, 1)
         _int_at_least("eager_steps", self.eager_steps, 0)
+        if isinstance(self.reference_budget, bool) or not isinstance(self.reference_budget, (int, float)):
+            raise TypeError(
+                f"`reference_budget` must be a fraction of the training time, got {self.reference_budget!r}."
+            )
+        if self.pad_buckets is not None:
+            PadToBuckets(self.pad_buckets)  # raises here, at construction, for bad sizes
+        if not 0 < self.reference_budget <= 0.5:
+            raise ValueError(
+                f"`reference_budget` must be in (0, 0.5], e.g. 0.02 for 2% of the training time, got "
+                f"{self.reference_budget}. Use eager_steps=0 to turn the eager reference off."
+            )
         _int_at_least("profile_steps", self.profile_steps, 0)
         if self.warmup_steps is not None:
             _int_at_least("warmup_steps", self.warmup_steps, 0)
@@ -122,23 +135,21 @@ def _check_backend_name(name: str) -> None:
     """Resolve ``name`` as torch.compile will (registered and entry-point backends), so a typo fails here."""
     if not name.strip():
         raise ValueError("`backend` is an empty string; use 'inductor' (default), 'aot_eager' or 'eager'.")
-    try:
-        torch._dynamo.lookup_backend(name)
-    except torch._dynamo.exc.InvalidBackend:
-        close = difflib.get_close_matches(name, torch._dynamo.list_backends(exclude_tags=()), n=3)
+    if not is_backend(name):
+        close = difflib.get_close_matches(name, backend_names(), n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(
             f"`backend` {name!r} is not a torch.compile backend.{hint} Use 'inductor' (default), 'aot_eager', "
-            "'eager', a name from torch._dynamo.list_backends(), or a callable; register a custom name with "
+            "'eager', a name from torch.compiler.list_backends(), or a callable; register a custom name with "
             "@torch._dynamo.register_backend before creating the callback."
-        ) from None
+        )
 
 
 def _check_inductor_options(options: Mapping[str, Any]) -> None:
     """The check torch.compile makes on inductor ``options``, made here so a typo fails before fit."""
-    from torch._inductor import config
-
-    known = config.get_config_copy()
+    known = inductor_options()
+    if known is None:  # torch moved them: compat has warned, torch.compile checks at the first compile
+        return
     for key, value in options.items():
         name = str(key).replace("-", "_")  # torch accepts both spellings
         if name not in known:
@@ -147,9 +158,9 @@ def _check_inductor_options(options: Mapping[str, Any]) -> None:
             raise ValueError(
                 f"`options` key {key!r} is not an inductor option.{hint} torch._inductor.list_options() lists them."
             )
-        expected = config.get_type(name)
-        if get_origin(expected) is None and not isinstance(value, expected):  # generics cannot be checked
-            raise TypeError(
+        expected = inductor_option_type(name)
+        if isinstance(expected, type) and get_origin(expected) is None and not isinstance(value, expected):
+            raise TypeError(  # generics such as list[str] cannot be checked with isinstance
                 f"`options[{key!r}]` must be {expected.__name__}, got {type(value).__name__}: {value!r}."
             )
 

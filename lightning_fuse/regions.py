@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_fuse.compat import fsdp_wrapped_module
+
 AUTO = "auto"
 FULL = "full"
 
@@ -95,7 +97,7 @@ def resolve_regions(
     regions: list[Region] = []
     for name in names:
         regions.extend(_split_around_excluded(name, modules[name], excluded))
-    return [Region(r.name, _unwrap_fsdp(r.module)) for r in regions]
+    return [Region(r.name, fsdp_wrapped_module(r.module)) for r in regions]  # FSDP's collectives stay outside
 
 
 def find_repeated_blocks(root: nn.Module) -> list[str]:
@@ -198,11 +200,6 @@ def _split_around_excluded(name: str, module: nn.Module, excluded: set[str]) -> 
         full = f"{name}.{child_name}"
         if full not in excluded and not is_metric(child) and has_params(child):
             yield from _split_around_excluded(full, child, excluded)
-
-
-def _unwrap_fsdp(module: nn.Module) -> nn.Module:
-    # compile what FSDP wraps, so its all-gathers and reshards stay outside the compiled region
-    return getattr(module, "_fsdp_wrapped_module", module)
 
 
 def _is_inside(name: str, outer: str) -> bool:

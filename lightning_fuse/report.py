@@ -1,47 +1,75 @@
-r"""``lightning-fuse report``: one table (and optionally one plot) of the ``fuse/`` scalars of FuseCallback runs.
+r"""``lightning-fuse report``: one table (and optionally one plot) over FuseCallback runs, saying what each one ran.
 
 Every directory under the LOGDIRs that holds TensorBoard event files with ``fuse/`` scalars is one run. The
-callback logs those scalars once per epoch with ``step = epoch``; this module reads them back, summarises each run
-over its epochs and prints the summary::
+callback logs those scalars once per epoch with ``step = epoch``. This module reads them back, together with the
+``fuse/summary`` text and the Hydra overrides of the run, and summarises each run:
 
-    $ lightning-fuse report outputs/2026-01-05/10-31-02/tb outputs/2026-01-05/11-02-40/tb --plot fuse.png
+- **name**: its Hydra overrides (``.hydra/overrides.yaml`` next to or above the event files; ``(defaults)``
+  when there are none), else the logger's ``name/version`` folders;
+- **status**: ``compiled``, ``dropped at epoch N`` (the plan was dropped, the run trained eagerly from epoch
+  ``N``), ``measure only`` (an eager run that only times itself, ``fuse=measure_only``), or ``never compiled``;
+- **speedup**, step ms, GPU util and MFU: medians over the epochs that ran the compiled plan only; a run that
+  never compiled shows no speedup. With ``fuse/speedup_low``/``fuse/speedup_high`` the speedup reads
+  ``3.4x (3.2-3.6)``: the medians of the epochs' own bounds.
+
+Reading event files needs ``tensorboard`` and ``--plot`` needs ``matplotlib``: ``pip install "lightning-fuse[report]"``.
+
+Example::
+
+    >>> run = Run("fuse=auto", Path("tb"), {"speedup": {0: 2.0, 1: 2.4, 2: 1.0}, "compiled": {0: 1, 1: 1, 2: 0},
+    ...                                     "plan_dropped": {2: 1}})
+    >>> row = summarise(run)
+    >>> row["status"], row["speedup_text"], row["epochs"]
+    ('dropped at epoch 2', '2.2x', '2/3')
+
+From a shell::
+
+    $ python -m lightning_fuse report outputs/2026-01-05/10-31-02 multirun/ --plot fuse.png
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import median
-from typing import Union
-
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
-from tensorboard.backend.event_processing import event_accumulator
+from typing import Any, Union
 
 PREFIX = "fuse/"
+INSTALL_HINT = 'pip install "lightning-fuse[report]"'
 Cell = Union[str, int, float, None]
 
-# Summary columns: key in ``summarise``'s dict, header, format of a value.
+# Summary columns: key in ``summarise``'s dict, header, format of a value. ``optional`` columns are left out of a
+# table where no run has a value (a CPU-only report has no GPU columns).
 _COLUMNS = (
     ("run", "run", "{}"),
-    ("epochs", "epochs", "{:d}"),
-    ("speedup", "speedup", "{:.2f}x"),
+    ("status", "status", "{}"),
+    ("epochs", "epochs", "{}"),
+    ("speedup_text", "speedup", "{}"),
     ("step_ms", "step ms", "{:.2f}"),
     ("gpu_util", "GPU util %", "{:.0f}"),
     ("mfu_pct", "MFU %", "{:.1f}"),
     ("compile_s", "compile s", "{:.1f}"),
 )
-# Plot panels: metric, title, y label, what to say when no run logged it.
-_PANELS = (
-    ("speedup", "Speedup over eager", "speedup (x)", "no run logged fuse/speedup"),
-    ("gpu_util", "GPU utilisation", "utilization.gpu (%)", "no run logged fuse/gpu_util\n(CPU runs, or no NVML)"),
-)
+_OPTIONAL = ("gpu_util", "mfu_pct")
+COMPILED, MEASURE_ONLY, NEVER_COMPILED, UNKNOWN = "compiled", "measure only", "never compiled", "-"
+_DROP_TEXT = re.compile(r"eager from epoch (\d+)|plan (?:was )?dropped", re.IGNORECASE)
+_MEASURE_TEXT = re.compile(r"measure[ _-]only", re.IGNORECASE)
+_GENERIC_FOLDER = re.compile(r"^(tb|tensorboard|logs?|version_\d+|\d+)$")
+_EXPLAIN = {
+    "dropped": "dropped at epoch N: the plan measured slower than eager, so the run trained eagerly from epoch N on;"
+    " its medians pool the epochs before N.",
+    MEASURE_ONLY: "measure only: an eager run that times itself (fuse=measure_only); its step ms is an eager "
+    "baseline, not a speedup.",
+    NEVER_COMPILED: "never compiled: every epoch ran eagerly (the measured plan kept eager, or nothing compiled); "
+    "there is no speedup to show.",
+}
 
 
 class NoRunsError(LookupError):
@@ -53,22 +81,29 @@ class NoRunsError(LookupError):
         'no fuse/ scalars found under logs: point at the directory a FuseCallback run logged to, e.g. ...'
     """
 
-    def __init__(self, logdir: str | os.PathLike) -> None:
+    def __init__(self, logdir: str | os.PathLike, events: bool = True) -> None:
+        where = "" if events else (
+            " (no TensorBoard event files at all: FuseCallback logs through the Trainer's loggers, so give the Trainer"
+            " a TensorBoardLogger)"
+        )  # fmt: skip
         super().__init__(
-            f"no fuse/ scalars found under {logdir}: point at the directory a FuseCallback run logged to,"
-            " e.g. outputs/<date>/<time>/tb"
+            f"no fuse/ scalars found under {logdir}{where}: point at the directory a FuseCallback run logged to,"
+            " e.g. outputs/<date>/<time>"
         )
 
 
 @dataclass(frozen=True)
 class Run:
-    """The ``fuse/`` scalars of one run.
+    """What one run logged.
 
     Attributes:
-        name: the run's directory relative to the LOGDIR given (the LOGDIR's own name if it is the run); the path
-            as given where two runs would share a name.
-        path: the run's directory.
+        name: the run's Hydra overrides, or else its logger's ``name/version`` folders; the path is added where two
+            runs would share a name.
+        path: the directory of the run's event files.
         scalars: metric (tag without ``fuse/``) -> {epoch: value}.
+        texts: ``fuse/`` text tags (such as the end-of-fit ``fuse/summary``) -> the last text logged.
+        hydra: the run's Hydra folder (``.hydra/``), if it has one.
+        overrides: its Hydra overrides (``.hydra/overrides.yaml``), ``None`` without Hydra.
 
     Example::
 
@@ -80,15 +115,93 @@ class Run:
     name: str
     path: Path
     scalars: dict[str, dict[int, float]]
+    texts: dict[str, str] = field(default_factory=dict)
+    hydra: Path | None = None
+    overrides: tuple[str, ...] | None = None
 
     @property
     def epochs(self) -> list[int]:
         """Every epoch for which any ``fuse/`` scalar was logged, sorted."""
         return sorted({step for values in self.scalars.values() for step in values})
 
-    def series(self, metric: str) -> list[tuple[int, float]]:
-        """(epoch, value) pairs of ``metric``, sorted by epoch; empty if the run never logged it."""
-        return sorted(self.scalars.get(metric, {}).items())
+    def series(self, metric: str, epochs: Sequence[int] | None = None) -> list[tuple[int, float]]:
+        """(epoch, value) pairs of ``metric`` (only ``epochs``, if given), sorted by epoch; empty if never logged."""
+        pairs = sorted(self.scalars.get(metric, {}).items())
+        return pairs if epochs is None else [(epoch, value) for epoch, value in pairs if epoch in epochs]
+
+
+@dataclass(frozen=True)
+class PlanStatus:
+    """What a run ran: a label for the table and the epochs that ran its compiled plan (the ones pooled).
+
+    Example::
+
+        >>> PlanStatus(COMPILED, (0, 1)).flagged, PlanStatus(MEASURE_ONLY, ()).flagged
+        (False, True)
+    """
+
+    label: str
+    pooled: tuple[int, ...]
+
+    @property
+    def flagged(self) -> bool:
+        return self.label not in (COMPILED, UNKNOWN)
+
+
+def plan_status(run: Run) -> PlanStatus:
+    """Tell from the scalars ``fuse/compiled`` and ``fuse/plan_dropped``, the ``fuse/`` texts and the Hydra config
+    whether the run compiled, dropped its plan, or only measured eager steps.
+
+    Without ``fuse/compiled`` (older runs), the summary text decides: ``"eager from epoch N"`` marks a drop, and a
+    finished run without one compiled every epoch.
+
+    Example::
+
+        >>> plan_status(Run("a", Path("a"), {"speedup": {0: 1.0}, "compiled": {0: 0.0}}))
+        PlanStatus(label='never compiled', pooled=())
+    """
+    epochs = run.epochs
+    text = "\n".join(run.texts.values())
+    if _measure_only(run, text):  # nothing to compile (targets=[]), whatever else was logged
+        return PlanStatus(MEASURE_ONLY, ())
+    dropped_at = _drop_epoch(run, text)
+    compiled = run.scalars.get("compiled")
+    if compiled is not None:
+        last = dropped_at if dropped_at is not None and dropped_at >= 0 else float("inf")  # epochs after: eager
+        pooled = tuple(e for e, value in sorted(compiled.items()) if value >= 0.5 and e < last)
+    elif dropped_at is not None:
+        pooled = tuple(e for e in epochs if e < dropped_at)
+    elif run.texts:
+        return PlanStatus(COMPILED, tuple(epochs))  # a finished run that kept its plan
+    else:
+        pooled = ()
+    if dropped_at is not None:
+        return PlanStatus(f"dropped at epoch {dropped_at}" if dropped_at >= 0 else "dropped", pooled)
+    if pooled:
+        return PlanStatus(COMPILED, pooled)
+    return PlanStatus(NEVER_COMPILED if compiled is not None else UNKNOWN, ())
+
+
+def _drop_epoch(run: Run, text: str) -> int | None:
+    """The first epoch trained eagerly after a drop; -1 for a drop at an unknown epoch; ``None`` without a drop."""
+    if "plan_dropped" in run.scalars:  # the callback says it each epoch: its word is final
+        flagged = [epoch for epoch, value in run.series("plan_dropped") if value >= 0.5]
+        return flagged[0] if flagged else None
+    match = _DROP_TEXT.search(text)
+    if match is None:
+        return None
+    return int(match.group(1)) if match.group(1) else -1
+
+
+def _measure_only(run: Run, text: str) -> bool:
+    """An eager run that only times itself: said in its texts, or its Hydra config compiles no targets."""
+    if _MEASURE_TEXT.search(text):
+        return True
+    if "fuse=measure_only" in (run.overrides or ()):
+        return True
+    config = _read_yaml(run.hydra / "config.yaml") if run.hydra else None
+    fuse = config.get("fuse") if isinstance(config, dict) else None
+    return isinstance(fuse, dict) and fuse.get("targets") == []
 
 
 def load_runs(paths: Sequence[str | os.PathLike]) -> list[Run]:
@@ -98,31 +211,61 @@ def load_runs(paths: Sequence[str | os.PathLike]) -> list[Run]:
         paths: LOGDIRs; each one may be a run itself or hold many.
 
     Returns:
-        The runs, LOGDIR by LOGDIR in the order given, sorted by name within one.
+        The runs, LOGDIR by LOGDIR in the order given, sorted by path within one.
 
     Raises:
         FileNotFoundError: If a path does not exist or is not a directory.
         NoRunsError: If a LOGDIR holds no ``fuse/`` scalars.
+        ModuleNotFoundError: If ``tensorboard`` is not installed; the message says how to install it.
 
     Example::
 
-        >>> runs = load_runs(["outputs/2026-01-05/10-31-02/tb"])  # doctest: +SKIP
+        >>> runs = load_runs(["outputs/2026-01-05/10-31-02"])  # doctest: +SKIP
         >>> [run.name for run in runs]  # doctest: +SKIP
-        ['tb']
+        ['model=resnet18 fuse=auto']
     """
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ModuleNotFoundError(f"reading TensorBoard event files needs tensorboard: {INSTALL_HINT}")
     runs: list[Run] = []
     for given in paths:
         root = Path(given)
         if not root.is_dir():
             reason = "is not a directory" if root.exists() else "does not exist"
             raise FileNotFoundError(f"{given} {reason}: pass the folder the TensorBoard event files are in.")
-        found = [_read_run(root, directory) for directory in _event_dirs(root)]
-        found = sorted((run for run in found if run.scalars), key=lambda run: run.name)
+        directories = _event_dirs(root)
+        found = [run for run in (_read_run(root, d) for d in directories) if run.scalars]
         if not found:
-            raise NoRunsError(given)
-        runs.extend(found)
-    shared = {name for name, count in Counter(run.name for run in runs).items() if count > 1}
-    return [replace(run, name=str(run.path)) if run.name in shared else run for run in runs]
+            raise NoRunsError(given, events=bool(directories))
+        runs.extend(sorted(found, key=lambda run: _natural_key(run.path)))
+    return _name_apart(runs)
+
+
+def shared_overrides(runs: Sequence[Run]) -> list[str]:
+    """The Hydra overrides that every run named by overrides has, when there are two or more such runs.
+
+    The report says them once, above the table, and leaves them out of the runs' names.
+
+    Example::
+
+        >>> runs = [Run("", Path(str(i)), {}, overrides=("model=gpt", f"fuse={f}")) for i, f in enumerate("ab")]
+        >>> shared_overrides(runs), [run.name for run in _name_apart(runs)]
+        (['model=gpt'], ['fuse=a', 'fuse=b'])
+    """
+    named = [run.overrides for run in runs if run.overrides is not None]
+    return [item for item in named[0] if all(item in other for other in named[1:])] if len(named) > 1 else []
+
+
+def _name_apart(runs: list[Run]) -> list[Run]:
+    """Names without the overrides every run shares; the path added to names that are still alike."""
+    shared = set(shared_overrides(runs))
+    if shared:
+        runs = [
+            run if run.overrides is None else
+            replace(run, name=" ".join(o for o in run.overrides if o not in shared) or "(shared overrides only)")
+            for run in runs
+        ]  # fmt: skip
+    alike = {name for name, count in Counter(run.name for run in runs).items() if count > 1}
+    return [replace(run, name=f"{run.name} [{_shown(run.path)}]") if run.name in alike else run for run in runs]
 
 
 def _event_dirs(root: Path) -> list[Path]:
@@ -131,55 +274,151 @@ def _event_dirs(root: Path) -> list[Path]:
 
 
 def _read_run(root: Path, directory: Path) -> Run:
-    """Read the ``fuse/`` scalars of the event files in ``directory`` (not its subdirectories)."""
-    accumulator = event_accumulator.EventAccumulator(
-        str(directory),
-        size_guidance={event_accumulator.SCALARS: 0},  # 0 keeps every scalar event: no reservoir subsampling
-    )
+    """Read the ``fuse/`` scalars and texts of the event files in ``directory`` (not its subdirectories)."""
+    accumulator = _event_accumulator(directory)
     accumulator.Reload()
+    tags = accumulator.Tags()
     scalars: dict[str, dict[int, float]] = {}
-    for tag in accumulator.Tags()["scalars"]:
+    for tag in tags.get("scalars", []):
         if tag.startswith(PREFIX):
             events = sorted(accumulator.Scalars(tag), key=lambda event: event.wall_time)
             scalars[tag[len(PREFIX) :]] = {event.step: event.value for event in events}  # a rerun epoch: last wins
-    relative = directory.relative_to(root)
-    name = relative.as_posix() if relative.parts else root.resolve().name
-    return Run(name=name, path=root / relative, scalars=scalars)
+    texts = {}
+    for tag in tags.get("tensors", []):
+        if tag.startswith(PREFIX):
+            events = sorted(accumulator.Tensors(tag), key=lambda event: event.wall_time)
+            strings = events[-1].tensor_proto.string_val if events else []
+            texts[tag] = b"\n".join(strings).decode("utf-8", "replace")
+    hydra = _hydra_dir(directory)
+    listed = _read_yaml(hydra / "overrides.yaml") if hydra else None
+    overrides = tuple(map(str, listed)) if isinstance(listed, list) else None
+    name = _run_name(root, directory, overrides)
+    return Run(name, directory, scalars, texts=texts, hydra=hydra, overrides=overrides)
+
+
+def _event_accumulator(directory: Path) -> Any:
+    try:
+        from tensorboard.backend.event_processing import event_accumulator
+    except ImportError as err:
+        raise ModuleNotFoundError(f"reading TensorBoard event files needs tensorboard: {INSTALL_HINT}") from err
+    return event_accumulator.EventAccumulator(
+        str(directory),
+        size_guidance={event_accumulator.SCALARS: 0, event_accumulator.TENSORS: 0},  # 0 keeps every event
+    )
+
+
+def _hydra_dir(directory: Path, levels: int = 3) -> Path | None:
+    """The ``.hydra/`` folder holding ``overrides.yaml`` in ``directory`` or up to ``levels`` folders above it."""
+    for folder in [directory, *directory.resolve().parents][: levels + 1]:
+        if (folder / ".hydra" / "overrides.yaml").is_file():
+            return folder / ".hydra"
+    return None
+
+
+def _run_name(root: Path, directory: Path, overrides: tuple[str, ...] | None) -> str:
+    """The run's Hydra overrides, ``(defaults)`` when it has none.
+
+    Without Hydra: the run's path below the LOGDIR (the LOGDIR's own name if it is the run), widened by the folders
+    above it while it starts with a logger's generic folder (``tb``, ``version_0``, ``0``), e.g.
+    ``lightning_logs/version_0``.
+    """
+    if overrides is not None:
+        return " ".join(overrides) or "(defaults)"
+    parts = directory.resolve().parts
+    width = max(1, len(directory.relative_to(root).parts))
+    while _GENERIC_FOLDER.match(parts[-width]) and width < len(parts) - 1:
+        width += 1
+    return "/".join(parts[-width:])
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document at ``path``; ``None`` if it is missing or unreadable (a name falls back, never fails)."""
+    import yaml  # PyYAML: a dependency of lightning
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when inside it, else absolute."""
+    path = path.resolve()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
+
+
+def _natural_key(path: Path) -> list[int | str]:
+    return [int(part) if part.isdigit() else part for part in path.parts]
 
 
 def summarise(run: Run) -> dict[str, Cell]:
-    """Summarise a run over its epochs: medians of the per-epoch metrics, the total compile time.
+    """Summarise a run over the epochs of its compiled plan: medians, the interval, the total compile time.
 
-    ``fuse/compile_s`` is cumulative, so its total is the maximum over epochs. MFU is logged as a fraction and
-    summarised in %. A metric the run never logged is ``None``.
+    A run that never compiled (measure only, or a plan kept eager) shows no speedup; its step ms and GPU figures
+    are medians over all its epochs (an eager baseline). ``fuse/compile_s`` is cumulative, so its total is the
+    maximum over epochs. MFU is logged as a fraction and summarised in %. A metric not logged is ``None``.
 
     Example::
 
         >>> run = Run("a", Path("a"), {"speedup": {0: 1.1, 1: 1.5, 2: 1.3}, "compile_s": {0: 20.0, 1: 21.5}})
         >>> summary = summarise(run)
-        >>> summary["epochs"], summary["speedup"], summary["compile_s"], summary["mfu_pct"]
-        (3, 1.3, 21.5, None)
+        >>> summary["epochs"], summary["speedup_text"], summary["compile_s"], summary["mfu_pct"]
+        ('3', '1.30x', 21.5, None)
     """
-    mfu = _median(run, "mfu")
+    status = plan_status(run)
+    if status.label in (MEASURE_ONLY, NEVER_COMPILED):
+        pooled, speedup = tuple(run.epochs), None  # eager vs eager: no speedup to show
+    else:  # compiled or dropped: the compiled epochs; unknown (no fuse/compiled, no summary yet): every epoch
+        pooled = tuple(run.epochs) if status.label == UNKNOWN else status.pooled
+        speedup = _median(run, "speedup", pooled)
+    low, high = (_median(run, f"speedup_{bound}", pooled) for bound in ("low", "high"))
+    mfu = _median(run, "mfu", pooled)
     compile_s = [value for _, value in run.series("compile_s")]
+    epochs = len(run.epochs)
     return {
         "run": run.name,
-        "epochs": len(run.epochs),
-        "speedup": _median(run, "speedup"),
-        "step_ms": _median(run, "step_ms"),
-        "gpu_util": _median(run, "gpu_util"),
+        "status": status.label,
+        "epochs": str(epochs) if len(pooled) in (0, epochs) else f"{len(pooled)}/{epochs}",
+        "speedup": speedup,
+        "speedup_text": None if speedup is None else format_speedup(speedup, low, high),
+        "step_ms": _median(run, "step_ms", pooled),
+        "gpu_util": _median(run, "gpu_util", pooled),
         "mfu_pct": None if mfu is None else 100 * mfu,
         "compile_s": max(compile_s) if compile_s else None,
     }
 
 
-def _median(run: Run, metric: str) -> float | None:
-    values = [value for _, value in run.series(metric)]
+def format_speedup(value: float, low: float | None = None, high: float | None = None) -> str:
+    """``1.30x``, or with an interval ``3.4x (3.2-3.6)``: the callback's own format where it has one.
+
+    Example::
+
+        >>> format_speedup(1.3), format_speedup(2.2), format_speedup(3.42, 3.21, 3.58)
+        ('1.30x', '2.2x', '3.4x (3.2-3.6)')
+    """
+    try:
+        from lightning_fuse.metrics import format_speedup as callbacks_format
+
+        return callbacks_format(value, low, high, words=False)
+    except (ImportError, TypeError):  # an older or newer metrics module: the same shape, written here
+        pass
+    decimals = 1 if abs(value) >= 2 else 2  # as the callback's: 1 decimal from 2x up, more where bounds would merge
+    if low is None or high is None:
+        return f"{value:.{decimals}f}x"
+    while decimals < 3 and low != high and f"{low:.{decimals}f}" == f"{high:.{decimals}f}":
+        decimals += 1
+    return f"{value:.{decimals}f}x ({low:.{decimals}f}-{high:.{decimals}f})"
+
+
+def _median(run: Run, metric: str, epochs: Sequence[int]) -> float | None:
+    values = [value for _, value in run.series(metric, epochs)]
     return median(values) if values else None
 
 
 def format_table(rows: Sequence[dict[str, Cell]], fmt: str = "text") -> str:
     """Render ``summarise`` rows as aligned text or as a markdown table, ``-`` where a value is missing.
+
+    The GPU util and MFU columns are left out when no row has a value (CPU runs).
 
     Args:
         rows: one dict per run, as ``summarise`` returns.
@@ -190,22 +429,25 @@ def format_table(rows: Sequence[dict[str, Cell]], fmt: str = "text") -> str:
 
     Example::
 
-        >>> print(format_table([{"run": "a", "epochs": 3, "speedup": 1.3}], fmt="md"))
-        | run | epochs | speedup | step ms | GPU util % | MFU % | compile s |
-        | :-- | -----: | ------: | ------: | ---------: | ----: | --------: |
-        | a   |      3 |   1.30x |       - |          - |     - |         - |
+        >>> print(format_table([{"run": "fuse=auto", "status": "compiled", "epochs": "3", "speedup_text": "1.30x"}],
+        ...                    fmt="md"))
+        | run       | status   | epochs | speedup | step ms | compile s |
+        | :-------- | :------- | -----: | ------: | ------: | --------: |
+        | fuse=auto | compiled |      3 |   1.30x |       - |         - |
     """
     if fmt not in ("text", "md"):
         raise ValueError(f"`fmt` can be 'text' or 'md', got {fmt!r}.")
-    table = [[header for _, header, _ in _COLUMNS]]
-    table += [[_cell(row.get(key), spec) for key, _, spec in _COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+    columns = [c for c in _COLUMNS if c[0] not in _OPTIONAL or any(row.get(c[0]) is not None for row in rows)]
+    table = [[header for _, header, _ in columns]]
+    table += [[_cell(row.get(key), spec) for key, _, spec in columns] for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    left = 2  # run and status are text, left-aligned; numbers right-aligned
 
-    def line(cells: list[str]) -> list[str]:  # the run column left-aligned, numbers right-aligned
-        return [cells[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(cells[1:], widths[1:])]
+    def line(cells: list[str]) -> list[str]:
+        return [cell.ljust(w) if i < left else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths))]
 
     if fmt == "md":
-        rule = [":" + "-" * (widths[0] - 1)] + ["-" * (width - 1) + ":" for width in widths[1:]]
+        rule = [":" + "-" * (w - 1) if i < left else "-" * (w - 1) + ":" for i, w in enumerate(widths)]
         return "\n".join("| " + " | ".join(cells) + " |" for cells in [line(table[0]), rule, *map(line, table[1:])])
     rule = ["-" * width for width in widths]
     return "\n".join("  ".join(cells).rstrip() for cells in [line(table[0]), rule, *map(line, table[1:])])
@@ -215,77 +457,151 @@ def _cell(value: Cell, spec: str) -> str:
     return "-" if value is None else spec.format(value)
 
 
-def plot_runs(runs: Sequence[Run], path: str | os.PathLike) -> None:
-    """Save one PNG with two panels, speedup and GPU utilisation per epoch, one line per run.
+def explain_flags(rows: Sequence[dict[str, Cell]]) -> list[str]:
+    """One line for each kind of flagged status in ``rows``, saying what it means for the figures.
 
-    A panel whose metric no run logged says so instead of staying empty.
+    Example::
+
+        >>> explain_flags([{"status": "measure only"}, {"status": "compiled"}])  # doctest: +ELLIPSIS
+        ['measure only: an eager run that times itself (fuse=measure_only); ...']
+    """
+    kinds = {"dropped" if str(row.get("status")).startswith("dropped") else row.get("status") for row in rows}
+    return [text for kind, text in _EXPLAIN.items() if kind in kinds]
+
+
+def plot_runs(runs: Sequence[Run], path: str | os.PathLike) -> None:
+    """Save one PNG: the speedup per epoch of every run that compiled (its compiled epochs, with the interval
+    where logged) and, only where some run has GPU data, GPU utilisation per epoch.
+
+    Raises:
+        ModuleNotFoundError: If ``matplotlib`` is not installed; the message says how to install it.
 
     Example::
 
         >>> plot_runs(load_runs(["outputs/2026-01-05"]), "fuse.png")  # doctest: +SKIP
     """
-    figure = Figure(figsize=(12, 4.5), layout="constrained")
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as err:
+        raise ModuleNotFoundError(f"--plot needs matplotlib: {INSTALL_HINT}") from err
+    gpu = [run for run in runs if run.series("gpu_util")]
+    figure = Figure(figsize=(12 if gpu else 6.5, 4.5), layout="constrained")
     FigureCanvasAgg(figure)  # render with Agg, whatever backend pyplot is set to
-    for axes, (metric, title, ylabel, missing) in zip(figure.subplots(1, 2), _PANELS):
-        axes.set(title=title, xlabel="epoch", ylabel=ylabel)
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-        plotted = [run for run in runs if run.series(metric)]
-        for run in plotted:
-            epochs, values = zip(*run.series(metric))
-            axes.plot(epochs, values, marker="o", label=run.name)
-        if plotted:
-            axes.legend(fontsize="small")
-        else:
-            axes.text(0.5, 0.5, missing, ha="center", va="center", color="grey", transform=axes.transAxes)
-            axes.set(xticks=[], yticks=[])
-        if metric == "speedup":
-            axes.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)  # eager baseline
-        else:
-            axes.set_ylim(0, 105)  # a percentage: keep the full scale so runs compare at a glance
+    axes = figure.subplots(1, 2 if gpu else 1, squeeze=False)[0]
+    colors = {id(run): f"C{i % 10}" for i, run in enumerate(runs)}  # one colour per run in both panels
+    _plot_speedup(axes[0], runs, colors)
+    if gpu:
+        _plot_gpu_util(axes[1], gpu, colors)
     figure.savefig(path, dpi=120)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``lightning-fuse`` console script.
+def _plot_speedup(axes: Any, runs: Sequence[Run], colors: dict[int, str]) -> None:
+    from matplotlib.ticker import MaxNLocator
 
-    Returns:
-        0 on success, 1 if a LOGDIR holds no FuseCallback run, 2 if a path is missing or the plot cannot be written.
+    axes.set(title="Speedup over eager (compiled epochs)", xlabel="epoch", ylabel="speedup (x)")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes.axhline(1.0, color="grey", linestyle="--", linewidth=0.8)  # eager
+    plotted = 0
+    for run in runs:
+        status = plan_status(run)
+        pooled = tuple(run.epochs) if status.label == UNKNOWN else status.pooled
+        points = run.series("speedup", pooled)
+        if not points:
+            continue
+        label = run.name if status.label in (COMPILED, UNKNOWN) else f"{run.name} ({status.label})"
+        epochs, values = zip(*points)
+        axes.plot(epochs, values, marker="o", label=label, color=colors[id(run)])
+        low, high = dict(run.series("speedup_low", pooled)), dict(run.series("speedup_high", pooled))
+        band = [e for e in epochs if e in low and e in high]
+        if band:
+            axes.fill_between(band, [low[e] for e in band], [high[e] for e in band], color=colors[id(run)], alpha=0.2)
+        plotted += 1
+    if plotted:
+        axes.legend(fontsize="small")
+    else:
+        axes.text(0.5, 0.5, "no run compiled", ha="center", va="center", color="grey", transform=axes.transAxes)
+
+
+def _plot_gpu_util(axes: Any, runs: Sequence[Run], colors: dict[int, str]) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axes.set(title="GPU utilisation", xlabel="epoch", ylabel="utilization.gpu (%)")
+    axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for run in runs:
+        epochs, values = zip(*run.series("gpu_util"))
+        axes.plot(epochs, values, marker="o", label=run.name, color=colors[id(run)])
+    axes.legend(fontsize="small")
+    axes.set_ylim(0, 105)  # a percentage: keep the full scale so runs compare at a glance
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``report`` sub-command's arguments.
 
     Example::
 
-        >>> main(["report", "outputs/2026-01-05", "--format", "md"])  # doctest: +SKIP
-        0
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> parser.parse_args(["runs/", "--format", "md"]).logdirs
+        ['runs/']
     """
-    parser = argparse.ArgumentParser(prog="lightning-fuse", description="Tools for lightning_fuse runs.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    report = commands.add_parser("report", help="summarise the fuse/ scalars of FuseCallback runs")
-    report.add_argument("logdirs", nargs="+", metavar="LOGDIR", help="TensorBoard directory, searched recursively")
-    report.add_argument("--format", choices=("text", "md"), default="text", help="table format (default: text)")
-    report.add_argument("--plot", metavar="PNG", help="also save speedup and GPU utilisation per epoch to PNG")
-    report.set_defaults(run=_report)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    parser.add_argument(
+        "logdirs", nargs="+", metavar="LOGDIR", help="a run's folder or a folder of runs, searched recursively"
+    )
+    parser.add_argument("--format", choices=("text", "md"), default="text", help="table format (default: text)")
+    parser.add_argument("--plot", metavar="PNG", help="also save speedup (and GPU utilisation) per epoch to PNG")
 
 
-def _report(args: argparse.Namespace) -> int:
+def report(args: argparse.Namespace) -> int:
+    """Run the ``report`` sub-command: print the table and the meaning of its flags, save the plot.
+
+    Returns:
+        0 on success, 1 if a LOGDIR holds no FuseCallback run, 2 if a path is missing, a package is missing or the
+        plot cannot be written.
+
+    Example::
+
+        >>> report(argparse.Namespace(logdirs=["/nonexistent"], format="text", plot=None))
+        2
+    """
     try:
         runs = load_runs(args.logdirs)
-    except FileNotFoundError as err:
+    except (FileNotFoundError, ModuleNotFoundError) as err:
         print(f"lightning-fuse report: {err}", file=sys.stderr)
         return 2
     except NoRunsError as err:
         print(f"lightning-fuse report: {err}", file=sys.stderr)
         return 1
-    print(format_table([summarise(run) for run in runs], args.format))
+    rows = [summarise(run) for run in runs]
+    shared = shared_overrides(runs)
+    if shared:
+        print(f"Overrides of every run: {' '.join(shared)}\n")
+    print(format_table(rows, args.format))
+    notes = explain_flags(rows)
+    if notes:
+        print("\n" + "\n".join(f"{'- ' if args.format == 'md' else ''}{note}" for note in notes))
     if args.plot:
         try:
             plot_runs(runs, args.plot)
-        except OSError as err:
+        except (OSError, ModuleNotFoundError) as err:
             print(f"lightning-fuse report: cannot write the plot to {args.plot}: {err}", file=sys.stderr)
             return 2
         print(f"plot saved to {args.plot}", file=sys.stderr)
     return 0
 
 
-if __name__ == "__main__":
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``lightning-fuse`` command (same as ``python -m lightning_fuse``); kept here for older imports.
+
+    Example::
+
+        >>> main(["report", "outputs/2026-01-05", "--format", "md"])  # doctest: +SKIP
+        0
+    """
+    from lightning_fuse.__main__ import main as cli
+
+    return cli(argv)
+
+
+if __name__ == "__main__":  # `python -m lightning_fuse.report report ...`, as older scripts call it
     sys.exit(main())

@@ -22,8 +22,15 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
-from torch._dynamo.utils import counters, get_compilation_metrics
 from torch.utils.data import DataLoader
+
+from lightning_fuse.compat import (
+    compilation_metrics,
+    dynamo_counters,
+    maybe_mark_dynamic,
+    register_compile_callbacks,
+    remove_compile_callbacks,
+)
 
 AUTO = "auto"
 DimSpec = Mapping[str | int, Sequence[int]]
@@ -118,7 +125,7 @@ def mark_region_inputs(args: Sequence[Any], sizes: set[tuple[int, int]]) -> None
         if isinstance(arg, torch.Tensor):
             for dim, size in sizes:
                 if dim < arg.dim() and arg.shape[dim] == size:
-                    torch._dynamo.maybe_mark_dynamic(arg, dim)
+                    maybe_mark_dynamic(arg, dim)
 
 
 def _validate_spec(spec: Any) -> str | DimSpec | None:
@@ -141,7 +148,7 @@ def _validate_spec(spec: Any) -> str | DimSpec | None:
 
 
 def _mark(tensor: torch.Tensor, dim: int) -> tuple[int, int]:
-    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    maybe_mark_dynamic(tensor, dim)
     return dim % tensor.dim(), tensor.shape[dim]
 
 
@@ -225,17 +232,13 @@ class CompileTracker:
 
     def install(self) -> None:
         if not self._installed:
-            handler = torch._dynamo.callback.callback_handler
-            handler.register_start_callback(self._on_start)
-            handler.register_end_callback(self._on_end)
-            self._last_metric = next(reversed(get_compilation_metrics()), None)
+            register_compile_callbacks(self._on_start, self._on_end)
+            self._last_metric = next(reversed(compilation_metrics()), None)
             self._installed = True
 
     def remove(self) -> None:
         if self._installed:
-            handler = torch._dynamo.callback.callback_handler
-            handler.remove_start_callback(self._on_start)
-            handler.remove_end_callback(self._on_end)
+            remove_compile_callbacks(self._on_start, self._on_end)
             self._installed = False
 
     @contextmanager
@@ -265,7 +268,7 @@ class CompileTracker:
 
     def _on_start(self, *_: Any) -> None:
         self._started = time.perf_counter()
-        self._breaks_before = Counter(counters["graph_break"])
+        self._breaks_before = Counter(dynamo_counters()["graph_break"])
 
     def _on_end(self, *_: Any) -> None:
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
@@ -278,7 +281,7 @@ class CompileTracker:
         name, mode_seen = self._current
         stats = self.stats(name)
         stats.compile_s += elapsed
-        new_breaks = Counter(counters["graph_break"]) - self._breaks_before
+        new_breaks = Counter(dynamo_counters()["graph_break"]) - self._breaks_before
         stats.graph_breaks += sum(new_breaks.values())
         _extend_capped(stats.break_reasons, new_breaks, self._MAX_REASONS)
         stats.compiles += 1
@@ -286,7 +289,7 @@ class CompileTracker:
             stats.recompiles += 1
 
     def _latest_recompile_reasons(self) -> list[str]:
-        metrics = get_compilation_metrics()
+        metrics = compilation_metrics()
         # compile ids restart after torch._dynamo.reset(), so find the new entries by identity
         start = next((i + 1 for i in range(len(metrics) - 1, -1, -1) if metrics[i] is self._last_metric), 0)
         self._last_metric = metrics[-1] if metrics else None

@@ -1,7 +1,15 @@
 """The data of the recipes: CIFAR-10 (or a synthetic stand-in of its shape) and byte-level text.
 
 Nothing here downloads: CIFAR-10 is read from a folder you point ``data.root`` at, and the text is
-the Python standard library's own source, which ships with every Python install.
+the Python standard library's own source, which ships with every Python install. torchvision is imported only
+to read real CIFAR-10, so the text recipes run without it.
+
+Example::
+
+    >>> from recipes.data import StandinImages
+    >>> image, label = StandinImages(8, seed=0)[0]
+    >>> tuple(image.shape), 0 <= int(label) < 10
+    ((3, 32, 32), True)
 """
 
 from __future__ import annotations
@@ -13,11 +21,9 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
-import torchvision
 from lightning.pytorch.utilities import rank_zero_only
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from torchvision import transforms
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +180,9 @@ class CIFAR10DataModule(_LoaderModule):
                 f"data.root={root} holds no cifar-10-batches-py/ folder. Extract cifar-10-python.tar.gz "
                 "(https://www.cs.toronto.edu/~kriz/cifar.html) there, or set data.root=null for the synthetic stand-in."
             )
+        import torchvision  # only here: the stand-in and the text recipes need no torchvision
+        from torchvision import transforms
+
         normalize = [transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)]
         augment = [transforms.RandomCrop(32, padding=4), transforms.RandomHorizontalFlip()]
         _announce(f"data: CIFAR-10 from {root}")

@@ -2,14 +2,21 @@
 
 Each transformer-like network keeps its repeated blocks in one ``nn.ModuleList`` of a single class
 (``net.blocks``), which is what ``FuseCallback(targets="auto")`` looks for. The definitions follow
-``shared/perf-notes.md`` so that recipe runs and benchmark tables measure the same models.
+``shared/perf-notes.md`` so that recipe runs and benchmark tables measure the same models. torchvision is
+imported only to build the ResNet.
+
+Example::
+
+    >>> import torch
+    >>> from recipes.models import MLPMixer
+    >>> MLPMixer(depth=2, dim=32, token_dim=16, channel_dim=64)(torch.zeros(2, 3, 32, 32)).shape
+    torch.Size([2, 10])
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import Tensor, nn
 
 
@@ -22,6 +29,8 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
         >>> net(torch.zeros(2, 3, 32, 32)).shape
         torch.Size([2, 10])
     """
+    import torchvision  # only here: the GPT and Mixer recipes need no torchvision
+
     net = torchvision.models.resnet18(num_classes=num_classes)
     net.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     net.maxpool = nn.Identity()

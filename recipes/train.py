@@ -10,13 +10,22 @@ Run from the repository root::
 
 Each run writes its logs, TensorBoard events and config under Hydra's output folder
 (``outputs/<date>/<time>/``; ``multirun/<date>/<time>/<job>/`` in a sweep) and ends by printing
-the commands that show them.
+the commands that show them, run by the same interpreter (``.venv/bin/python -m lightning_fuse report ...``), so
+they work without activating the venv.
+
+Example::
+
+    >>> from recipes.train import log_commands
+    >>> log_commands("outputs/x")["report"].split()[1:]
+    ['-m', 'lightning_fuse', 'report', 'outputs/x']
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -95,22 +104,46 @@ def train(cfg: DictConfig) -> L.Trainer:
 
 def _shown(path: str | Path) -> str:
     """``path`` relative to the working directory when it lies inside it (shorter to copy), else absolute."""
-    path = Path(path).resolve()
+    path = Path(path).absolute()
     return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
+def log_commands(folder: str | Path) -> dict[str, str]:
+    """The shell commands that show the logs under ``folder``, run by this interpreter: no venv to activate.
+
+    ``"tensorboard"`` serves the TensorBoard events; ``"report"`` prints ``lightning-fuse report``'s table. Paths are
+    relative to the working directory where they lie inside it, and quoted for the shell.
+
+    Example::
+
+        >>> log_commands("outputs/x")["report"].endswith("-m lightning_fuse report outputs/x")
+        True
+    """
+    python = _shown(sys.executable) if "/" in _shown(sys.executable) else f"./{_shown(sys.executable)}"
+    folder = _shown(folder)
+    return {
+        "tensorboard": shlex.join([python, "-m", "tensorboard.main", "--logdir", folder]),
+        "report": shlex.join([python, "-m", "lightning_fuse", "report", folder]),
+    }
+
+
 def announce_logs(trainer: L.Trainer, output_dir: str) -> None:
-    """Log where this run's files are and the commands that show them."""
+    """Log where this run's files are and the commands that show them (see :func:`log_commands`)."""
     log.info(f"Run folder (logs, config, .hydra/): {_shown(output_dir)}")
     if trainer.logger is None or trainer.log_dir is None:
         return
-    log_dir = _shown(trainer.log_dir)
-    log.info(f"TensorBoard logs: {log_dir}")
-    log.info(f"  see them:  tensorboard --logdir {log_dir}")
-    log.info(f"  summary:   lightning-fuse report {log_dir}")
+    log.info(f"TensorBoard logs: {_shown(trainer.log_dir)}")
+    if importlib.util.find_spec("tensorboard") is None:
+        log.info('  to read them, install tensorboard: pip install "lightning-fuse[report]"')
+        return
+    commands = log_commands(output_dir)
+    log.info(f"  see them:  {commands['tensorboard']}")
+    log.info(f"  summary:   {commands['report']}")
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        sweep_dir = _shown(HydraConfig.get().sweep.dir)
-        log.info(f"  all jobs of this sweep:  tensorboard --logdir {sweep_dir}  /  lightning-fuse report {sweep_dir}")
+        commands = log_commands(HydraConfig.get().sweep.dir)
+        log.info("  all jobs of this sweep:")
+        log.info(f"    see them:  {commands['tensorboard']}")
+        log.info(f"    summary:   {commands['report']}")
 
 
 @rank_zero_only

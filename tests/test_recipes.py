@@ -4,8 +4,11 @@ sweeps give each job its own logs, and the data is deterministic. CPU only, tiny
 from __future__ import annotations
 
 import inspect
+import shlex
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import hydra
@@ -145,7 +148,67 @@ def test_sweep_gives_each_job_its_own_logs(tmp_path: Path) -> None:
         assert (tmp_path / job / "config.yaml").is_file()
     assert OmegaConf.load(tmp_path / "0" / "config.yaml").fuse is None
     assert OmegaConf.load(tmp_path / "1" / "config.yaml").fuse.targets == "auto"
-    assert f"lightning-fuse report {(tmp_path / '1' / 'tb').resolve()}" in run.stdout + run.stderr
+    *_, job_1, sweep = _printed(run.stdout + run.stderr, "summary:")  # each job's own, then the sweep's
+    assert job_1[1:] == ["-m", "lightning_fuse", "report", str(tmp_path / "1")]
+    assert sweep[1:] == ["-m", "lightning_fuse", "report", str(tmp_path)]
+    report = subprocess.run(sweep, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "fuse=auto model.net.n_layer=2" in report.stdout, "the job is named by its overrides"
+    assert "fuse=off" not in report.stdout, "fuse=off logs no fuse/ scalars: not a FuseCallback run"
+
+
+def _printed(output: str, label: str) -> list[list[str]]:
+    """The commands the recipe printed after ``label`` (``"summary:"`` or ``"see them:"``), as argv lists."""
+    return [shlex.split(line.split(label, 1)[1]) for line in output.splitlines() if label in line]
+
+
+def test_the_commands_printed_at_the_end_of_a_run_work_as_printed(tmp_path: Path) -> None:
+    """The run ends with a TensorBoard and a report command, both naming this interpreter: no venv to activate."""
+    fast = ["fuse.backend=eager", "fuse.cache_dir=false", f"hydra.run.dir={tmp_path}"]
+    command = [sys.executable, "recipes/train.py", *TINY["gpt_mini"], *SHORT_RUN, *fast]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    output = run.stdout + run.stderr
+    (report,), (tensorboard,) = _printed(output, "summary:"), _printed(output, "see them:")
+    assert report[0] == tensorboard[0] and Path(ROOT, report[0]).resolve() == Path(sys.executable).resolve()
+    shown = subprocess.run(report, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert "model.net.n_layer=2" in shown.stdout and "status" in shown.stdout, shown.stdout
+    assert "tb" not in shown.stdout.split(), "named by its overrides, not by its logger folder"
+    assert tensorboard[1:4] == ["-m", "tensorboard.main", "--logdir"]
+    _serves(tensorboard + ["--port", "0"])  # any free port, on localhost only
+
+
+def _serves(command: list[str], timeout_s: float = 120) -> None:
+    """Start ``command`` (a TensorBoard server), wait until it says where it serves, then stop it."""
+    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    reader = threading.Thread(target=lambda: seen.extend(server.stdout), daemon=True)  # never blocks the test
+    reader.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and server.poll() is None:
+            if any(" at http://localhost:" in line for line in list(seen)):
+                break
+            time.sleep(0.2)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        reader.join(timeout=30)
+    assert any(" at http://localhost:" in line for line in seen), "".join(seen)[-2000:]
+
+
+@pytest.mark.parametrize("model", ("gpt_mini", "mixer", "resnet18"))
+def test_fuse_regional_compiles_the_repeated_blocks_where_alike_else_the_whole_network(tmp_path, model) -> None:
+    from lightning_fuse.regions import resolve_regions
+
+    cfg = compose_train(tmp_path, f"model={model}", "fuse=regional", *TINY.get(model, []))
+    assert cfg.fuse.cuda_graph is False
+    names = [region.name for region in resolve_regions(hydra.utils.instantiate(cfg.model), cfg.fuse.targets)]
+    if model == "resnet18":  # its blocks differ in width from stage to stage: what configs/fuse/regional.yaml says
+        assert names == ["model"]
+    else:
+        assert len(names) >= 2 and all(name.startswith("model.blocks.") for name in names)
 
 
 def test_standin_images_are_deterministic_and_learnable() -> None:

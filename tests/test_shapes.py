@@ -14,7 +14,7 @@ from tests.toy import ToyTask, trainer
 
 
 def test_partial_last_batch_two_epochs_compile_at_most_twice_per_region():
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=0)
     task = ToyTask(samples=70, batch_size=16)  # 4 full batches and one of 6, in train and in validation
     trainer([fuse], max_epochs=2).fit(task)
     for name, stats in fuse.tracker.regions.items():
@@ -24,14 +24,14 @@ def test_partial_last_batch_two_epochs_compile_at_most_twice_per_region():
 
 
 def test_without_dynamic_dims_the_partial_batch_recompiles_and_is_reported():
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims=None, eager_steps=0)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, dynamic_dims=None, eager_steps=0)
     with pytest.warns(UserWarning, match="region 'model.blocks.0' recompiled.*size mismatch"):
         trainer([fuse], max_epochs=1).fit(ToyTask(samples=70, batch_size=16))
     assert fuse.tracker.stats("model.blocks.0").recompiles >= 1
 
 
 def test_train_eval_switching_does_not_recompile_each_epoch():
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=0)
     trainer([fuse], max_epochs=3).fit(ToyTask(samples=64, batch_size=16))
     assert fuse.tracker.stats("model.blocks.0").compiles == 2
     assert fuse.tracker.total_recompiles == 0
@@ -73,7 +73,8 @@ class SequenceTask(pl.LightningModule):
 
 
 def test_declared_sequence_dim_compiles_once_for_all_lengths():
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims={"input_ids": [0, 1]}, eager_steps=0)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, dynamic_dims={"input_ids": [0, 1]},
+                        eager_steps=0)
     trainer([fuse], max_epochs=1).fit(SequenceTask())
     stats = fuse.tracker.stats("model.blocks.0")
     assert stats.compiles == 1 and stats.recompiles == 0, stats
@@ -155,7 +156,7 @@ def test_graph_breaks_are_counted_per_region_logged_and_explained(caplog):
     task.model.blocks = nn.ModuleList(BreakingBlock() for _ in range(2))
     task.model.embed = nn.Linear(8, 8)
     task.model.head = nn.Linear(8, 4)
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=0)
     with caplog.at_level("INFO"):
         trainer([fuse], max_epochs=1).fit(task)
     stats = fuse.tracker.stats("model.blocks.0")

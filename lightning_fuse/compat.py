@@ -1,0 +1,618 @@
+r"""Every private torch API that lightning_fuse uses, in one place, each one checked before it is used.
+
+torch has no public API for some of what FuseCallback does: installing a callable where
+:meth:`torch.nn.Module.compile` installs its own, reading the active compile stance, counting dynamo's
+compiles and graph breaks. Each such use is one function here, with a comment saying why no public API serves.
+
+Every private attribute is listed in :data:`PRIVATE_APIS` with the torch versions lightning_fuse was tested
+with (:data:`TESTED_TORCH`). A function looks its attribute up when it is called:
+
+- if torch no longer has it, the function raises :class:`TorchAPIChanged`, naming the attribute, this torch and
+  the tested versions;
+- if the feature only reports something (graph-break counts, cache hits, recompile reasons), it warns once
+  instead and degrades, for example by counting zero;
+- if torch has it but is outside the tested versions, one warning says so the first time.
+
+Nothing fails silently.
+
+Example::
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> set_compiled_call_impl(lin, lambda x: "installed")  # what Module.compile does, with our own callable
+    >>> lin(torch.zeros(2))
+    'installed'
+    >>> set_compiled_call_impl(lin, None)
+    >>> compiled_call_impl(lin) is None, active_stance()
+    (True, 'default')
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+from torch import nn
+
+TESTED_TORCH = SpecifierSet(">=2.11,<2.16")
+"""The torch versions whose private APIs below were checked (keep in step with pyproject.toml)."""
+TORCH_VERSION = Version(Version(torch.__version__).base_version)
+"""This torch's release, without local tags (``2.14.1+cu130`` -> ``2.14.1``)."""
+
+
+class TorchAPIChanged(RuntimeError):
+    """A private torch API that lightning_fuse relies on is gone or behaves differently in this torch.
+
+    Example::
+
+        >>> str(TorchAPIChanged("torch.x", "a reason")).startswith("lightning_fuse needs torch.x (a reason)")
+        True
+    """
+
+    def __init__(self, path: str, why: str, detail: str = "") -> None:
+        tested = "" if torch_is_tested() else ", which lightning_fuse was never tested with"
+        super().__init__(
+            f"lightning_fuse needs {path} ({why}), but torch {torch.__version__}{tested} "
+            f"{detail or 'does not have it'}. lightning_fuse is tested with torch{TESTED_TORCH}: install one of "
+            f"those (pip install 'torch{TESTED_TORCH}') or a lightning_fuse release that supports this torch."
+        )
+
+
+@dataclass(frozen=True)
+class PrivateAPI:
+    """One private torch attribute: its dotted path, what we need it for, and the torch versions it was checked on."""
+
+    path: str
+    why: str
+    required: bool = True
+    """``False``: without it a report degrades (with one warning) and training goes on."""
+    tested: SpecifierSet = TESTED_TORCH
+
+
+PRIVATE_APIS: dict[str, PrivateAPI] = {
+    api.path: api
+    for api in (
+        PrivateAPI("torch.nn.Module._compiled_call_impl", "installing compiled regions in place, as Module.compile"),
+        PrivateAPI("torch.nn.Module._call_impl", "calling a region's plain eager code, hooks included"),
+        PrivateAPI("torch._dynamo.eval_frame._stance", "reading the active torch.compiler.set_stance"),
+        PrivateAPI("torch._dynamo.config.recompile_limit", "raising dynamo's per-code recompile limit"),
+        PrivateAPI("torch._dynamo.callback.callback_handler", "timing each compile and bounding recompiles"),
+        PrivateAPI("torch._dynamo.lookup_backend", "checking a backend name before fit", required=False),
+        PrivateAPI("torch._dynamo.exc.InvalidBackend", "checking a backend name before fit", required=False),
+        PrivateAPI("torch._inductor.config", "checking inductor options before fit", required=False),
+        PrivateAPI("torch._dynamo.utils.counters", "counting graph breaks and cache hits", required=False),
+        PrivateAPI("torch._dynamo.utils.get_compilation_metrics", "reading recompile reasons", required=False),
+        PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
+        PrivateAPI("torch.Tensor._is_view", "releasing a CUDA graph capture's autograd graph"),
+        PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "letting activation checkpointing's early stop "
+                   "pass through compiled regions", required=False),
+        PrivateAPI("torch.cuda._get_nvml_device_index", "NVML's index of a CUDA device", required=False),
+        *(
+            PrivateAPI(f"torch.utils._pytree.{name}", "flattening inputs and outputs (no public torch.utils.pytree)")
+            for name in ("tree_flatten", "tree_unflatten", "tree_leaves", "tree_map")
+        ),
+    )
+}
+_warned: set[str] = set()
+
+
+def torch_is_tested() -> bool:
+    """Whether this torch is one lightning_fuse was tested with (:data:`TESTED_TORCH`).
+
+    Example::
+
+        >>> isinstance(torch_is_tested(), bool)
+        True
+    """
+    return TORCH_VERSION in TESTED_TORCH
+
+
+def check_private_apis() -> None:
+    """Look up every required private API now, so a changed torch fails before training, naming all of them.
+
+    Raises:
+        TorchAPIChanged: If any required attribute is missing; a missing optional one warns once.
+
+    Example::
+
+        >>> check_private_apis()
+    """
+    missing = []
+    for path, api in PRIVATE_APIS.items():
+        try:
+            _get(path)
+        except TorchAPIChanged:
+            if api.required:
+                missing.append(path)
+            else:
+                _warn_once(path, f"FuseCallback: torch {torch.__version__} has no {path}; {api.why} is skipped.")
+    if missing:
+        raise TorchAPIChanged(", ".join(missing), "FuseCallback's in-place compile and its accounting")
+    _check_compiled_call_impl()
+
+
+def _get(path: str) -> Any:
+    """The object at ``path``, importing submodules on the way; :class:`TorchAPIChanged` if torch lacks it."""
+    api = PRIVATE_APIS[path]
+    parts = path.split(".")
+    try:
+        obj = importlib.import_module(parts[0])
+        for i, part in enumerate(parts[1:], start=2):
+            obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts[:i]))
+    except ImportError:
+        raise TorchAPIChanged(path, api.why) from None
+    if TORCH_VERSION not in api.tested:
+        _warn_once(
+            f"version {api.tested}",
+            f"lightning_fuse: torch {torch.__version__} is outside the versions its private torch APIs were checked "
+            f"with (torch{api.tested}). They are still looked up as they are used, and lightning_fuse raises where "
+            "one is gone (lightning_fuse.compat lists them).",
+        )
+    return obj
+
+
+def _optional(path: str, fallback: Any) -> Any:
+    """``_get(path)``, or ``fallback`` with one warning saying what is lost."""
+    try:
+        return _get(path)
+    except TorchAPIChanged as err:
+        _warn_once(path, f"FuseCallback: {PRIVATE_APIS[path].why} is skipped for the rest of the run: {err}")
+        return fallback
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        rank_zero_warn(message)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Module.compile's mechanism. Why private: Module.compile() installs torch.compile(self._call_impl) in the
+# `_compiled_call_impl` slot, which `Module.__call__` calls instead of `_call_impl`. No public API installs another
+# callable there, and only that slot keeps the module's class, hooks and state_dict keys unchanged (an
+# OptimizedModule wrapper changes all three).
+
+
+def compiled_call_impl(module: nn.Module) -> Callable[..., Any] | None:
+    """What ``module(...)`` calls instead of its plain code: ``None`` when nothing is installed.
+
+    Raises:
+        TorchAPIChanged: If torch no longer routes module calls through ``_compiled_call_impl``.
+
+    Example::
+
+        >>> compiled_call_impl(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    _check_compiled_call_impl()
+    return module._compiled_call_impl
+
+
+def set_compiled_call_impl(module: nn.Module, fn: Callable[..., Any] | None) -> None:
+    """Make ``module(...)`` call ``fn`` (with the call's arguments) instead of its plain code; ``None`` undoes it.
+
+    Raises:
+        TorchAPIChanged: If torch no longer routes module calls through ``_compiled_call_impl``.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> set_compiled_call_impl(lin, lambda x: x + 1)
+        >>> lin(torch.zeros(1)).item()
+        1.0
+    """
+    _check_compiled_call_impl()
+    module._compiled_call_impl = fn
+
+
+def call_uncompiled(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """Call ``module``'s plain eager code with its hooks, bypassing whatever is installed in its slot.
+
+    Why private: ``Module._call_impl`` is the only entry that runs the hooks without the compiled slot.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> set_compiled_call_impl(lin, print)
+        >>> call_uncompiled(lin, torch.zeros(2)).shape
+        torch.Size([2])
+    """
+    _check_compiled_call_impl()
+    return module._call_impl(*args, **kwargs)
+
+
+def plain_call(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s plain eager call (hooks included) as a bound method: what ``Module.compile`` compiles.
+
+    Why private: as :func:`call_uncompiled`; ``torch.compile`` needs the callable itself.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> plain_call(lin)(torch.zeros(2)).shape
+        torch.Size([2])
+    """
+    _check_compiled_call_impl()
+    return module._call_impl
+
+
+def control_flow_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions torch raises on purpose through user code, which a fallback must let pass, never catch.
+
+    Why private: non-reentrant activation checkpointing stops its recomputation early by raising
+    ``torch.utils.checkpoint._StopRecomputationError`` through the recomputed forward (compiled regions included);
+    caught, it reads as a compiler failure, and re-running the region eagerly trips torch's own assertion
+    ("target_frame.early_stop is set"). Without it (one warning) nothing is let through.
+
+    Example::
+
+        >>> [error.__name__ for error in control_flow_errors()]
+        ['_StopRecomputationError']
+    """
+    error = _optional("torch.utils.checkpoint._StopRecomputationError", None)
+    return (error,) if error is not None else ()
+
+
+_call_impl_checked = False
+
+
+def _check_compiled_call_impl() -> None:
+    """Once per process: the slot exists and ``Module.__call__`` really calls what is installed there."""
+    global _call_impl_checked
+    if _call_impl_checked:
+        return
+    path = "torch.nn.Module._compiled_call_impl"
+    _get(path)
+    _get("torch.nn.Module._call_impl")
+    probe, marker = nn.Identity(), object()
+    probe._compiled_call_impl = lambda *args, **kwargs: marker
+    if probe(0) is not marker:
+        raise TorchAPIChanged(path, PRIVATE_APIS[path].why, "no longer calls what is installed there")
+    _call_impl_checked = True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Dynamo's settings and state.
+
+
+def active_stance() -> str:
+    """The stance set by :func:`torch.compiler.set_stance` around this call (``"default"`` outside any).
+
+    Why private: ``set_stance`` has no getter; torch keeps the active stance in ``eval_frame._stance``.
+
+    Raises:
+        TorchAPIChanged: If torch keeps the stance elsewhere.
+
+    Example::
+
+        >>> with torch.compiler.set_stance("force_eager"):
+        ...     active_stance()
+        'force_eager'
+    """
+    path = "torch._dynamo.eval_frame._stance"
+    stance = getattr(_get(path), "stance", None)
+    if not isinstance(stance, str):
+        raise TorchAPIChanged(path, PRIVATE_APIS[path].why, f"keeps no `.stance` string there (got {stance!r})")
+    return stance
+
+
+def dynamo_recompile_limit() -> int:
+    """Dynamo's limit of recompiles per code object (``torch._dynamo.config.recompile_limit``).
+
+    Why private: ``torch.compiler.config`` does not expose it; only ``torch._dynamo.config`` does.
+
+    Example::
+
+        >>> dynamo_recompile_limit() >= 1
+        True
+    """
+    path = "torch._dynamo.config.recompile_limit"
+    limit = _get(path)
+    if not isinstance(limit, int):
+        raise TorchAPIChanged(path, PRIVATE_APIS[path].why, f"holds {limit!r} there, not an int")
+    return limit
+
+
+def set_dynamo_recompile_limit(limit: int) -> None:
+    """Set dynamo's limit of recompiles per code object; read the old one first to restore it.
+
+    Why private: as :func:`dynamo_recompile_limit`. The limit must stay raised from fit start to teardown, across
+    hooks, so ``torch._dynamo.config.patch`` (a context manager) does not fit.
+
+    Example::
+
+        >>> before = dynamo_recompile_limit()
+        >>> set_dynamo_recompile_limit(before + 1); dynamo_recompile_limit() == before + 1
+        True
+        >>> set_dynamo_recompile_limit(before)
+    """
+    dynamo_recompile_limit()  # raises if torch moved it
+    torch._dynamo.config.recompile_limit = limit
+
+
+def register_compile_callbacks(on_start: Callable[..., Any], on_end: Callable[..., Any]) -> None:
+    """Call ``on_start``/``on_end`` around every dynamo compile in this process.
+
+    Why private: dynamo's compile start/end hooks exist only as ``torch._dynamo.callback.callback_handler``;
+    ``torch.compiler`` offers no callback. Required: recompiles are counted, and bounded, through them.
+
+    Example::
+
+        >>> noop = lambda *args: None
+        >>> register_compile_callbacks(noop, noop); remove_compile_callbacks(noop, noop)
+    """
+    handler = _compile_callback_handler()
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
+
+
+def remove_compile_callbacks(on_start: Callable[..., Any], on_end: Callable[..., Any]) -> None:
+    """Undo :func:`register_compile_callbacks`.
+
+    Example::
+
+        >>> remove_compile_callbacks  # doctest: +ELLIPSIS
+        <function remove_compile_callbacks at ...>
+    """
+    handler = _compile_callback_handler()
+    handler.remove_start_callback(on_start)
+    handler.remove_end_callback(on_end)
+
+
+def _compile_callback_handler() -> Any:
+    path = "torch._dynamo.callback.callback_handler"
+    handler = _get(path)
+    needed = ("register_start_callback", "register_end_callback", "remove_start_callback", "remove_end_callback")
+    lacking = [name for name in needed if not callable(getattr(handler, name, None))]
+    if lacking:
+        raise TorchAPIChanged(path, PRIVATE_APIS[path].why, f"has no {', '.join(lacking)} there")
+    return handler
+
+
+def dynamo_counters() -> Mapping[str, Counter]:
+    """Dynamo's process-wide event counters (``counters["graph_break"]``, ``counters["inductor"]``, ...).
+
+    Why private: torch only prints these (``TORCH_LOGS``); there is no public API to read them. Without them the
+    graph-break and cache-hit counts read 0, after one warning.
+
+    Example::
+
+        >>> isinstance(dynamo_counters()["graph_break"], Counter)
+        True
+    """
+    return _optional("torch._dynamo.utils.counters", defaultdict(Counter))
+
+
+def compilation_metrics() -> list[Any]:
+    """Dynamo's record of each compile so far (each with a ``recompile_reason``), oldest first.
+
+    Why private: the reasons are otherwise only printed (``TORCH_LOGS=recompiles``). Without it the reasons read
+    "unknown", after one warning.
+
+    Example::
+
+        >>> isinstance(compilation_metrics(), list)
+        True
+    """
+    return list(_optional("torch._dynamo.utils.get_compilation_metrics", lambda: [])())
+
+
+def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Ask dynamo to compile ``dim`` of ``tensor`` as a symbol (it may still specialise).
+
+    Why private: ``torch._dynamo.maybe_mark_dynamic`` is the documented way but lives under ``torch._dynamo``.
+    Without it the dim is not marked (one warning): dynamo recompiles once for a new size, then goes dynamic.
+
+    Example::
+
+        >>> maybe_mark_dynamic(torch.zeros(4, 2), 0)
+    """
+    _optional("torch._dynamo.maybe_mark_dynamic", lambda tensor, dim: None)(tensor, dim)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checks made before fit, so that a typo fails at construction rather than at the first compile.
+
+
+def backend_names() -> list[str]:
+    """Every torch.compile backend name, debug and experimental ones included (public API).
+
+    Example::
+
+        >>> "inductor" in backend_names()
+        True
+    """
+    return torch.compiler.list_backends(exclude_tags=())
+
+
+def is_backend(name: str) -> bool:
+    """Whether torch.compile resolves ``name`` (registered and entry-point backends, as torch.compile does).
+
+    Why private: :func:`torch.compiler.list_backends` omits backends that only resolve on lookup (entry points
+    loaded lazily); ``torch._dynamo.lookup_backend`` is what torch.compile itself calls. Without it the name is
+    taken as valid (one warning) and torch.compile checks it at the first compile.
+
+    Example::
+
+        >>> is_backend("inductor"), is_backend("inductr")
+        (True, False)
+    """
+    lookup = _optional("torch._dynamo.lookup_backend", None)
+    invalid = _optional("torch._dynamo.exc.InvalidBackend", None)
+    if lookup is None or invalid is None:
+        return True
+    try:
+        lookup(name)
+    except invalid:
+        return False
+    return True
+
+
+def inductor_options() -> dict[str, Any] | None:
+    """Inductor's option names with their current values; ``None`` (one warning) if torch moved them.
+
+    Why private: the list and types of inductor options live only in ``torch._inductor.config``
+    (``torch._inductor.list_options()`` is private too).
+
+    Example::
+
+        >>> "max_autotune" in inductor_options()
+        True
+    """
+    config = _optional("torch._inductor.config", None)  # warns if it is gone
+    if config is None:
+        return None
+    if not callable(getattr(config, "get_config_copy", None)):
+        message = "FuseCallback: torch._inductor.config has no get_config_copy; `options` is not checked."
+        _warn_once("get_config_copy", message)
+        return None
+    return config.get_config_copy()
+
+
+def inductor_option_type(name: str) -> Any:
+    """The declared type of inductor option ``name`` (may be a generic such as ``list[str]``); ``None`` if unknown.
+
+    Example::
+
+        >>> inductor_option_type("max_autotune")
+        <class 'bool'>
+    """
+    get_type = getattr(_get("torch._inductor.config"), "get_type", None)
+    if not callable(get_type):
+        _warn_once("inductor types", "FuseCallback: cannot read inductor option types; their values are not checked.")
+        return None
+    return get_type(name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Small helpers for compiler.py, graphs.py and gpu.py.
+
+
+def is_view(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of another tensor (its autograd history belongs to its base).
+
+    Why private: torch has no public view test; ``Tensor._is_view`` is what autograd itself checks.
+
+    Example::
+
+        >>> base = torch.zeros(4)
+        >>> is_view(base), is_view(base[:2])
+        (False, True)
+    """
+    _get("torch.Tensor._is_view")
+    return tensor._is_view()
+
+
+def nvml_device_index(cuda_index: int) -> int:
+    """NVML's index of CUDA device ``cuda_index`` (``CUDA_VISIBLE_DEVICES`` renumbers devices for torch only).
+
+    Why private: ``torch.cuda._get_nvml_device_index`` is what ``torch.cuda.utilization`` uses; no public mapping.
+    Without it the CUDA index is used (one warning), right unless ``CUDA_VISIBLE_DEVICES`` reorders devices.
+
+    Example::
+
+        >>> nvml_device_index  # doctest: +ELLIPSIS
+        <function nvml_device_index at ...>
+    """
+    mapping = _optional("torch.cuda._get_nvml_device_index", None)
+    return cuda_index if mapping is None else mapping(cuda_index)
+
+
+def fsdp_wrapped_module(module: nn.Module) -> nn.Module:
+    """The module a ``FullyShardedDataParallel`` (FSDP1) wrapper holds; any other ``module`` unchanged.
+
+    Compiling what FSDP wraps keeps its all-gathers and reshards outside the compiled region. Why private: FSDP's
+    public ``.module`` skips an activation-checkpoint wrapper inside it, which must stay inside the region; only
+    ``_fsdp_wrapped_module`` is the direct child.
+
+    Raises:
+        TorchAPIChanged: If an FSDP wrapper no longer keeps its module in ``_fsdp_wrapped_module``.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> fsdp_wrapped_module(lin) is lin
+        True
+    """
+    fsdp = _fsdp_class()
+    if fsdp is None or not isinstance(module, fsdp):
+        return module
+    inner = getattr(module, "_fsdp_wrapped_module", None)
+    if not isinstance(inner, nn.Module):
+        raise TorchAPIChanged(
+            "FullyShardedDataParallel._fsdp_wrapped_module", "compiling the module inside an FSDP wrapper",
+            "keeps the wrapped module elsewhere",
+        )  # fmt: skip
+    return inner
+
+
+def _fsdp_class() -> type | None:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """Flatten nested lists, tuples, dicts and dataclasses into leaves and a spec, as torch does for its ops.
+
+    Why private: torch 2.11-2.15 have no public pytree module; ``torch.utils.pytree`` is preferred when it exists.
+
+    Example::
+
+        >>> tree_flatten({"a": [1, 2], "b": 3})[0]
+        [1, 2, 3]
+    """
+    return _pytree("tree_flatten")(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The inverse of :func:`tree_flatten`.
+
+    Example::
+
+        >>> leaves, spec = tree_flatten(({"a": 1}, None))
+        >>> tree_unflatten([5, None], spec)
+        ({'a': 5}, None)
+    """
+    return _pytree("tree_unflatten")(leaves, spec)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree``, in :func:`tree_flatten`'s order.
+
+    Example::
+
+        >>> tree_leaves([1, (2, {"c": 3})])
+        [1, 2, 3]
+    """
+    return _pytree("tree_leaves")(tree)
+
+
+def tree_map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every leaf.
+
+    Example::
+
+        >>> tree_map(lambda x: x * 2, {"a": [1, 2]})
+        {'a': [2, 4]}
+    """
+    return _pytree("tree_map")(fn, tree)
+
+
+@functools.cache
+def _pytree(name: str) -> Callable[..., Any]:
+    """``torch.utils.pytree.<name>`` where torch has the public module, else the private one (same functions)."""
+    try:
+        return getattr(importlib.import_module("torch.utils.pytree"), name)
+    except (ImportError, AttributeError):
+        return _get(f"torch.utils._pytree.{name}")  # TorchAPIChanged if torch moved it
