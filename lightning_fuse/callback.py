@@ -195,7 +195,7 @@ class FuseCallback(Callback):
                 fit.flops = self._step_context.enter_context(gpu.count_step_flops())
         else:
             fit.plan.step_begin()
-        fit.guard.arm(batch, batch_idx, armed=not eager)
+        fit.guard.arm(batch, batch_idx, armed=not eager and fit.plan.owned)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -254,7 +254,8 @@ class FuseCallback(Callback):
 
     def _drop_plan_if_slower(self, trainer: pl.Trainer, speedup: float | None) -> None:
         """With ``mode="auto"``, a plan measured slower than eager is dropped; rank zero's measurement decides."""
-        if self.options.mode != "auto" or self.fit.plan is None or self.fit.plan.name == "eager":
+        plan = self.fit.plan
+        if self.options.mode != "auto" or plan is None or plan.name == "eager" or not plan.owned:
             return
         speedup = trainer.strategy.broadcast(speedup)
         if speedup is not None and speedup < SLOWER_THAN_EAGER:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from lightning_fuse import compat
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
 
@@ -90,7 +90,7 @@ class CompiledRegion:
         ...                         RegionPolicy())
         >>> runner.install(); runner.is_compiled
         True
-        >>> runner.uninstall(); lin._compiled_call_impl is None
+        >>> runner.uninstall(); compat.compiled_call_impl(lin) is None
         True
     """
 
@@ -100,7 +100,7 @@ class CompiledRegion:
         self.tracker = tracker
         self.policy = policy
         self.fallback_reason: str | None = None
-        self._compiled = torch.compile(region.module._call_impl, **options.kwargs())
+        self._compiled = torch.compile(compat.plain_call(region.module), **options.kwargs())
         self._verified: set[ModeKey] = set()
         self._warned_recompile = False
         self._made_dynamic = False
@@ -116,12 +116,12 @@ class CompiledRegion:
         return self.fallback_reason is None and self._installed
 
     def install(self) -> None:
-        self.region.module._compiled_call_impl = self
+        compat.set_compiled_call_impl(self.region.module, self)
         self._installed = True
 
     def uninstall(self) -> None:
-        if self.region.module._compiled_call_impl is self:
-            self.region.module._compiled_call_impl = None
+        if compat.compiled_call_impl(self.region.module) is self:
+            compat.set_compiled_call_impl(self.region.module, None)
         self._installed = False
 
     def fall_back(self, reason: str) -> None:
@@ -133,7 +133,7 @@ class CompiledRegion:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.region.module
         if self.fallback_reason is not None:
-            return module._call_impl(*args, **kwargs)
+            return compat.call_uncompiled(module, *args, **kwargs)
         if self.policy.dynamic_sizes:
             mark_region_inputs(args, self.policy.dynamic_sizes)
         mode = (module.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
@@ -147,8 +147,10 @@ class CompiledRegion:
         try:
             with self.tracker.calling(self.name, mode):
                 out = self._compiled(*args, **kwargs)
+        except compat.control_flow_errors():
+            raise  # torch's own signal through user code (checkpointing's early stop), not a failure
         except Exception as err:  # noqa: BLE001 - any compiler failure; a user bug re-raises from eager below
-            out = module._call_impl(*args, **kwargs)  # raises here if the code itself is wrong
+            out = compat.call_uncompiled(module, *args, **kwargs)  # raises here if the code itself is wrong
             self.fall_back(describe_error(err))
             return out
         if self.tracker.total_compiles != before:
@@ -161,6 +163,10 @@ class CompiledRegion:
             # dropout draws other random numbers when compiled, and running batch-norm twice would update its
             # statistics twice: such regions are checked on their first eval call instead
             return self._guarded_call(mode, args, kwargs)
+        if not _pure_inputs(args, kwargs):
+            # an input object the call may change (a KV cache it appends to): running the call twice is not the same
+            self._verified.add(mode)
+            return self._guarded_call(mode, args, kwargs)
         out = self._guarded_call(mode, args, kwargs)
         if self.fallback_reason is not None:
             return out
@@ -171,7 +177,7 @@ class CompiledRegion:
         if mismatch is None:
             return out
         self.fall_back(f"its compiled output differs from eager on the first batch ({mismatch})")
-        return module._call_impl(*args, **kwargs)
+        return compat.call_uncompiled(module, *args, **kwargs)
 
     def _check_recompiles(self) -> None:
         stats = self.tracker.stats(self.name)
@@ -183,7 +189,7 @@ class CompiledRegion:
         if self.policy.on_recompile_limit == "dynamic" and not self._made_dynamic:
             self._made_dynamic = True
             self._recompiles_allowed = stats.recompiles + 1 + self.policy.recompile_limit  # the dynamic one is free
-            self._compiled = torch.compile(self.region.module._call_impl, **self.options.kwargs(dynamic=True))
+            self._compiled = torch.compile(compat.plain_call(self.region.module), **self.options.kwargs(dynamic=True))
             rank_zero_warn(
                 f"FuseCallback: region {self.name!r} recompiled {stats.recompiles} times (limit "
                 f"{self.policy.recompile_limit}); compiling it with dynamic=True from now on."
@@ -227,30 +233,25 @@ def plain_eager(modules: Sequence[nn.Module]) -> Iterator[None]:
     Example::
 
         >>> lin = torch.nn.Linear(2, 2)
-        >>> lin._compiled_call_impl = print
+        >>> compat.set_compiled_call_impl(lin, print)
         >>> with plain_eager([lin]):
-        ...     lin._compiled_call_impl is None
+        ...     compat.compiled_call_impl(lin) is None
         True
-        >>> lin._compiled_call_impl is print
+        >>> compat.compiled_call_impl(lin) is print
         True
     """
-    saved = [(module, module._compiled_call_impl) for module in modules]
+    saved = [(module, compat.compiled_call_impl(module)) for module in modules]
     for module, _ in saved:
-        module._compiled_call_impl = None
+        compat.set_compiled_call_impl(module, None)
     try:
         yield
     finally:
         for module, installed in saved:
-            module._compiled_call_impl = installed
+            compat.set_compiled_call_impl(module, installed)
 
 
 def forced_eager() -> bool:
-    return torch.compiler.is_compiling() or _stance() == "force_eager"
-
-
-def _stance() -> str:
-    # torch keeps the active stance here; reading it is the only way to know we run under set_stance("force_eager")
-    return getattr(torch._dynamo.eval_frame._stance, "stance", "default")
+    return torch.compiler.is_compiling() or compat.active_stance() == "force_eager"
 
 
 def _changes_in_training(module: nn.Module) -> bool:
@@ -265,10 +266,15 @@ def _changes_in_training(module: nn.Module) -> bool:
     return False
 
 
+def _pure_inputs(args: tuple, kwargs: dict) -> bool:
+    """Whether every input is a tensor or a plain value, so that calling twice computes the same thing twice."""
+    plain = (torch.Tensor, bool, int, float, str, type(None), torch.dtype, torch.device)
+    return all(isinstance(leaf, plain) for leaf in compat.tree_leaves((args, kwargs)))
+
+
 def _compare(out: Any, reference: Any) -> str | None:
     """None when ``out`` matches ``reference`` at a dtype-aware tolerance, else a short description."""
-    got, _ = tree_flatten(out)
-    want, _ = tree_flatten(reference)
+    got, want = compat.tree_leaves(out), compat.tree_leaves(reference)
     if len(got) != len(want):
         return f"{len(got)} outputs against {len(want)} from eager"
     for index, (a, b) in enumerate(zip(got, want)):

@@ -144,7 +144,8 @@ class FitState:
     def warmup_steps(self) -> int:
         if self.options.warmup_steps is not None:
             return self.options.warmup_steps
-        return 3 if any(plan.name.endswith("graph") or plan.name == "reduce-overhead" for plan in self.candidates) else 1
+        graphs = any(plan.name.endswith("graph") or plan.name == "reduce-overhead" for plan in self.candidates)
+        return 3 if graphs else 1
 
     def begin_step(self, batch: Any, length_fn: Callable[[Any], Any] | None) -> tuple[bool, bool]:
         """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped); returns whether it
@@ -229,7 +230,9 @@ class FitState:
 
     def drop_plan(self, reason: str) -> None:
         """Take the plan off: the rest of the fit trains eagerly, with one warning (on a line of its own) saying why."""
-        rank_zero_warn(f"\nFuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit trains eagerly: {reason}.")
+        rank_zero_warn(
+            f"\nFuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit trains eagerly: {reason}."
+        )
         self.uninstall_plan()
         self.plan, self.dropped = Plan(), f"{reason} (step {self.steps})"
 
@@ -410,7 +413,7 @@ def epoch_extras(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModu
     if fit.buckets is not None:
         extra["pad_waste"] = fit.buckets.waste
     extra.update(cache_hits=hits, cache_misses=misses, graph_breaks=fit.tracker.total_graph_breaks,
-                 compiled=float(fit.plan is not None and fit.plan.name != "eager"),
+                 compiled=float(fit.plan is not None and bool(fit.plan.modules())),
                  plan_dropped=float(fit.dropped is not None),
                  graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip
     return extra

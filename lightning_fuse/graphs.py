@@ -85,7 +85,7 @@ class FlatCall(nn.Module):
     Example::
 
         >>> lin = torch.nn.Linear(2, 2)
-        >>> flat = FlatCall(lin, lin._call_impl, (), {"input": torch.ones(1, 2)})
+        >>> flat = FlatCall(lin, compat.plain_call(lin), (), {"input": torch.ones(1, 2)})
         >>> outs = flat(*flat.tensors((), {"input": torch.ones(1, 2)}))
         >>> flat.rebuild(outs).shape
         torch.Size([1, 2])
@@ -239,7 +239,7 @@ class GraphedModule:
 
     def run_inner(self, *args: Any, **kwargs: Any) -> Any:
         """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""
-        return (self._inner or self.module._call_impl)(*args, **kwargs)
+        return (self._inner or compat.plain_call(self.module))(*args, **kwargs)
 
     def _eligible(self, args: tuple, kwargs: dict) -> bool:
         if self.disabled_reason is not None or not self.module.training or not torch.is_grad_enabled():

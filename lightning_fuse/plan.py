@@ -64,6 +64,8 @@ class Plan:
     """Why this plan runs, for the plan line (e.g. "chosen by measurement", "mode='default'")."""
     dominated_by: tuple[str, ...] = ()
     """Plans that do all this one does and more: once one of them ran faster than eager, this one is not tried."""
+    owned = True
+    """False for code FuseCallback did not install (the user's own compile): never dropped nor guarded."""
 
     def install(self) -> None:
         """Put the plan on the model."""
@@ -182,6 +184,7 @@ class UserCompiled(Plan):
     reference steps bypass the user's compiled code, so ``fuse/speedup`` measures the user's compile."""
 
     name = "user-compiled"
+    owned = False
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self._modules = modules

@@ -240,8 +240,10 @@ class TrialCall:
         True
     """
 
-    def __init__(self, module: nn.Module, args: tuple, kwargs: dict,
-                 context: Callable[[], Any] | None = None, synchronize: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+    def __init__(
+        self, module: nn.Module, args: tuple, kwargs: dict, context: Callable[[], Any] | None = None,
+        synchronize: Callable[[], None] = lambda: None,
+    ) -> None:  # fmt: skip
         self.module = module
         self.args, self.kwargs = detached((args, kwargs))
         self._context = context

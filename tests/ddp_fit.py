@@ -1,8 +1,9 @@
 """A 2-process CPU DDP fit (gloo) with FuseCallback; each rank writes what it saw to ``OUT/rank<N>.json``.
 
 Run by tests/test_ddp.py as ``python tests/ddp_fit.py OUT CACHE_DIR``. On rank 1 only, the ``regions``
-candidate of the plan search is made to fail, so the test can check that it is dropped on both ranks. Lightning's DDP launcher starts rank 1 by
-running this same command again, so everything a rank needs comes from the command line.
+candidate of the plan search is made to fail, so the test can check that it is dropped on both ranks. Lightning's
+DDP launcher starts rank 1 by running this same command again, so everything a rank needs comes from the command
+line.
 """
 
 import json

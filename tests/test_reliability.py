@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_fuse import FuseCallback, gpu
+from lightning_fuse.fit import FitState
 from tests.fake_nvml import FakeNvml
 from tests.faults import (
     BLOCKS,
@@ -175,7 +176,7 @@ def test_a_pattern_matching_nothing_fails_at_fit_start_before_any_step(kwargs, m
 def test_dynamic_dims_that_do_not_fit_the_batch_fail_at_the_first_batch(dims, match):
     task = RecordingTask()
     with pytest.raises(ValueError, match=match) as excinfo:
-        fit(task, [FuseCallback(backend="aot_eager", mode="default", cache_dir=False, dynamic_dims=dims)], num_sanity_val_steps=0)
+        fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims=dims)], num_sanity_val_steps=0)
     assert raised_by_lightning_fuse(excinfo)
     assert task.losses == []
     assert all(m._compiled_call_impl is None for m in task.modules())
@@ -193,7 +194,7 @@ def test_dynamic_dims_that_do_not_fit_the_batch_fail_at_the_first_batch(dims, ma
 def test_a_length_fn_that_returns_no_number_fails_at_the_first_batch(length_fn, match):
     task = RecordingTask()
     with pytest.raises(TypeError, match=match) as excinfo:
-        fit(task, [FuseCallback(backend="aot_eager", mode="default", cache_dir=False, length_fn=length_fn)], num_sanity_val_steps=0)
+        fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, length_fn=length_fn)], num_sanity_val_steps=0)
     assert raised_by_lightning_fuse(excinfo)
     assert task.losses == []
     assert all(m._compiled_call_impl is None for m in task.modules())
@@ -237,7 +238,7 @@ def test_a_fit_interrupted_mid_epoch_leaves_the_model_eager_the_logs_readable_an
     artifacts.write_bytes(valid_artifacts())
     inductor_dir, recompile_limit = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), torch._dynamo.config.recompile_limit
     task = seeded_task(fail_at=7, fail_with=failure)  # 5 steps an epoch: fails in the middle of the second
-    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=cache_root, eager_steps=0)  # epoch 0 has compiled steps
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=cache_root, eager_steps=0)  # compiled at once
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
@@ -314,8 +315,8 @@ def test_a_recompile_storm_is_bounded_within_a_fit(action):
 
     reference = run([])
     # eager_steps=0: every step runs compiled, so the first epoch meets every size and the second one none new
-    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, dynamic_dims=None, eager_steps=0, recompile_limit=2,
-                        on_recompile_limit=action)  # fmt: skip
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, dynamic_dims=None, eager_steps=0,
+                        recompile_limit=2, on_recompile_limit=action)  # fmt: skip
     probe = FuseProbe(fuse)
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False), pytest.warns(UserWarning) as record:
         task = run([fuse, probe])  # without automatic dynamic shapes, each new batch size recompiles

@@ -1,0 +1,179 @@
+"""Hugging Face models in a LightningModule, fitted on CPU with ``FuseCallback(backend="aot_eager")``.
+
+A tiny GPT-2 and a tiny BERT classifier (dropout on, padded batches with an attention mask) are called the usual
+way, ``self.model(input_ids=..., attention_mask=..., labels=...).loss``. The plan search runs for real (no pinned
+timings): whatever it chooses, the decision must list every candidate with its outcome, and the printed verdict
+and the summary must name the plan. A compiled backward that raises on the fit's first compiled step must cost
+the plan, not the run, and leave the training exactly as an eager fit's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+pytest.importorskip("transformers")
+
+from lightning_fuse import FuseCallback
+from tests.user_models import (
+    HFTask,
+    Run,
+    assert_same_training,
+    fit,
+    fuse,
+    one_thread,  # noqa: F401 - an autouse fixture: one intra-op thread in this module
+    pin_search,
+    tiny_bert_classifier,
+    tiny_gpt2,
+)
+
+OUTCOME = re.compile(r"(chosen|slower than \S+|failed: .+|skipped: .+)")
+MODELS = {
+    "gpt2": lambda: HFTask(tiny_gpt2()),
+    "bert": lambda: HFTask(tiny_bert_classifier(), classify=True),  # dropout 0.1 (BERT's default) stays on
+}
+
+
+@dataclass
+class Reported:
+    run: Run
+    cb: FuseCallback
+    printed: str
+    logged: str
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def reported(request) -> Reported:
+    """One fit per model with the real plan search; what it printed and what lightning_fuse logged."""
+    torch._dynamo.reset()
+    handler, logger = _Lines(), logging.getLogger("lightning_fuse")
+    saved_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    stdout = io.StringIO()
+    try:
+        cb = fuse()
+        with contextlib.redirect_stdout(stdout):
+            run = fit(MODELS[request.param], [cb])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved_level)
+        torch._dynamo.reset()
+    return Reported(run, cb, stdout.getvalue(), "\n".join(handler.lines))
+
+
+def test_fit_completes_with_every_step_trained(reported):
+    run = reported.run
+    assert run.trainer.state.finished and run.trainer.global_step == 24
+    assert all(torch.isfinite(torch.tensor(step["loss"])) for step in run.losses)
+    assert all(m._compiled_call_impl is None for m in run.task.modules())
+
+
+def test_decision_lists_every_candidate_with_its_outcome(reported):
+    cb = reported.cb
+    decision = cb.decision
+    assert decision is not None and not decision.cached
+    names = [trial.name for trial in decision.trials]
+    assert names == [plan.name for plan in cb.fit.candidates] == ["eager", "regions", "compile"]
+    for trial in decision.trials:
+        assert OUTCOME.fullmatch(trial.outcome), trial
+        assert (trial.ms is not None) == (trial.outcome == "chosen" or trial.outcome.startswith("slower than"))
+    assert [t.name for t in decision.trials if t.outcome == "chosen"] == [decision.winner]
+    assert cb.plan.name in names
+    if cb.fit.dropped is None:
+        assert cb.plan.name == decision.winner
+    else:  # measured slower than eager in the fit itself: the rest trained eagerly
+        assert cb.plan.name == "eager"
+    assert [row["plan"] for row in cb.history][-1] == cb.plan.name
+    for line, trial in zip(decision.lines(), decision.trials):
+        assert line.startswith(trial.name) and line.endswith(trial.outcome)
+
+
+def test_printed_verdict_names_the_plan(reported):
+    cb = reported.cb
+    verdicts = [line for line in reported.printed.splitlines() if line.startswith("FuseCallback:")]
+    assert len(verdicts) == 1, reported.printed
+    assert cb.plan.name in verdicts[0] or (cb.fit.dropped is not None and cb.decision.winner in verdicts[0])
+
+
+def test_summary_names_the_plan(reported):
+    assert f"FuseCallback plan: {reported.cb.plan.name}" in reported.logged, reported.logged
+
+
+# ---------------------------------------------------------------------------------------------- fault injection
+class FirstCompiledStep(Callback):
+    """Arms the fault at the fit's first step that runs the plan (after FuseCallback's own hook, so it knows)."""
+
+    def __init__(self) -> None:
+        self.cb: FuseCallback | None = None
+        self.armed = False
+        self.armed_at: int | None = None
+        self.raised = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        guard = self.cb.fit.guard
+        if self.armed_at is None and guard is not None and guard.armed:
+            self.armed, self.armed_at = True, trainer.global_step
+
+
+def failing_backward_backend(fault: FirstCompiledStep):
+    """``aot_eager`` whose compiled backward raises once, when ``fault`` is armed."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def backward_compiler(gm, example_inputs):
+        def run(args):
+            if fault.armed:
+                fault.armed = False
+                fault.raised += 1
+                raise RuntimeError("injected failure in a compiled backward")
+            return gm(*args)
+
+        run._boxed_call = True
+        return run
+
+    return aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), bw_compiler=backward_compiler)
+
+
+@pytest.mark.parametrize("mode", ["auto", "default"])
+def test_a_compiled_backward_that_raises_costs_the_plan_not_the_run(monkeypatch, mode):
+    if mode == "auto":
+        pin_search(monkeypatch, "regions")  # the search chooses regions; its own backwards do not raise
+    make = lambda: HFTask(tiny_gpt2(use_cache=False))
+    eager = fit(make)
+    fault = FirstCompiledStep()
+    cb = fault.cb = FuseCallback(mode=mode, cache_dir=False, backend=failing_backward_backend(fault))
+    with pytest.warns(UserWarning, match="injected failure in a compiled backward"):
+        fused = fit(make, [cb, fault])
+    assert fault.raised == 1 and fault.armed_at is not None
+    if mode == "auto":
+        assert cb.decision.winner == "regions"
+    assert "injected failure in a compiled backward" in cb.fit.dropped
+    assert cb.fit.guard.redone_steps == 1
+    assert cb.plan.name == "eager"  # dropped: the rest of the fit trained eagerly
+    assert_same_training(fused, eager)
+
+
+def test_gpt2_with_its_default_kv_cache_trains_with_forced_regions():
+    make = lambda: HFTask(tiny_gpt2())
+    eager = fit(make)
+    cb = fuse(mode="default")
+    fused = fit(make, [cb])
+    assert cb.fallbacks == {}
+    assert_same_training(fused, eager)

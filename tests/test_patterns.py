@@ -1,0 +1,215 @@
+"""Training patterns users bring, fitted with FuseCallback and without it: the same losses and parameters.
+
+Each test fits a small model twice on CPU (2 epochs of 12 steps), once plain and once with
+``FuseCallback(mode="auto", backend="aot_eager", cache_dir=False)``, and compares every step's loss and the final
+parameters at float32 tolerance (bf16 for bf16 precision). On CPU eager usually measures fastest, which would make
+the comparison trivial, so :func:`~tests.user_models.pin_search` makes the search choose a compiled plan
+(``regions`` unless said otherwise) and keep it: every candidate still runs on the fit's own inputs.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import lightning_fuse.callback as fuse_callback
+from tests.user_models import (
+    BF16,
+    STEPS,
+    BlockNet,
+    ClassifierTask,
+    FrozenBackboneTask,
+    GanTask,
+    HFTask,
+    MoENet,
+    UserCompiledTask,
+    VariableLengthTask,
+    assert_plan_ran,
+    assert_same_training,
+    features,
+    fit,
+    fuse,
+    lora_gpt2,
+    one_thread,  # noqa: F401 - an autouse fixture: one intra-op thread in this module
+    pin_search,
+    tiny_gpt2,
+)
+
+# ---------------------------------------------------------------------------------------------- activation checkpointing
+@pytest.mark.parametrize(
+    ("use_reentrant", "winner"),
+    [
+        pytest.param(False, "regions", id="non-reentrant-regions"),
+        pytest.param(False, "compile", id="non-reentrant-compile"),
+        pytest.param(True, "regions", id="reentrant-regions"),
+    ],
+)  # fmt: skip
+def test_activation_checkpointing_in_user_blocks(monkeypatch, use_reentrant, winner):
+    pin_search(monkeypatch, winner)
+    make = lambda: ClassifierTask(BlockNet(use_reentrant=use_reentrant))
+    eager = fit(make)
+    cb = fuse()
+    fused = fit(make, [cb])
+    assert_same_training(fused, eager)
+    assert_plan_ran(cb, winner)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_hf_gradient_checkpointing(monkeypatch, use_reentrant):
+    pytest.importorskip("transformers")
+    pin_search(monkeypatch)
+    make = lambda: HFTask(tiny_gpt2(), gradient_checkpointing=use_reentrant)
+    eager = fit(make)
+    assert eager.task.model.is_gradient_checkpointing
+    cb = fuse()
+    fused = fit(make, [cb])
+    assert_plan_ran(cb, "regions")
+    assert cb.plan.runners and all(r.name.startswith("model.transformer.h.") for r in cb.plan.runners)
+    assert_same_training(fused, eager)
+
+
+# ---------------------------------------------------------------------------------------------- frozen parameters
+def test_frozen_backbone(monkeypatch):
+    pin_search(monkeypatch)
+    eager = fit(FrozenBackboneTask)
+    cb = fuse()
+    fused = fit(FrozenBackboneTask, [cb])
+    assert_plan_ran(cb, "regions")
+    assert_same_training(fused, eager)
+    L.seed_everything(0, verbose=False)  # as fit() does before building the task
+    initial = FrozenBackboneTask().state_dict()
+    for name, value in fused.task.state_dict().items():
+        moved = not torch.equal(value, initial[name])
+        assert moved == name.startswith(("model.blocks.2.", "model.blocks.3.", "model.head.")), name
+
+
+def test_peft_lora_adapter(monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    pin_search(monkeypatch)
+    make = lambda: HFTask(lora_gpt2())
+    eager = fit(make)
+    cb = fuse()
+    fused = fit(make, [cb])
+    assert_plan_ran(cb, "regions")
+    assert_same_training(fused, eager)
+    trainable = {n for n, p in fused.task.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+# ---------------------------------------------------------------------------------------------- optimization loops
+def test_manual_optimization_with_two_optimizers(monkeypatch):
+    pin_search(monkeypatch)
+    eager = fit(GanTask)
+    cb = fuse()
+    fused = fit(GanTask, [cb])
+    assert_plan_ran(cb, "regions")
+    assert sorted(r.name for r in cb.plan.runners) == [
+        "discriminator.blocks.0", "discriminator.blocks.1", "generator.blocks.0", "generator.blocks.1",
+    ]  # fmt: skip
+    assert_same_training(fused, eager)
+
+
+def test_gradient_accumulation_with_clipping(monkeypatch):
+    pin_search(monkeypatch)
+    make = lambda: ClassifierTask(BlockNet(), lr=0.3)  # large enough that clipping bites
+    kwargs = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}
+    eager = fit(make, **kwargs)
+    unclipped = fit(make, accumulate_grad_batches=2)
+    assert unclipped.losses[-1] != pytest.approx(eager.losses[-1], rel=1e-4)  # clipping changed the training
+    cb = fuse()
+    fused = fit(make, [cb], **kwargs)
+    assert_plan_ran(cb, "regions")
+    assert_same_training(fused, eager)
+    assert fused.trainer.global_step == eager.trainer.global_step == STEPS  # 2 epochs of 12 batches, 2 per step
+
+
+# ---------------------------------------------------------------------------------------------- precision
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_precision(monkeypatch, precision):
+    pin_search(monkeypatch)
+    make = lambda: ClassifierTask(BlockNet())
+    eager = fit(make, precision=precision)
+    cb = fuse()
+    fused = fit(make, [cb], precision=precision)
+    assert_plan_ran(cb, "regions")
+    dtype = {p.dtype for p in fused.task.parameters()}
+    assert dtype == ({torch.bfloat16} if precision == "bf16-true" else {torch.float32})
+    assert_same_training(fused, eager, **BF16)
+
+
+# ---------------------------------------------------------------------------------------------- the user's own compile
+def test_model_compiled_by_the_user_before_the_fit(monkeypatch):
+    monkeypatch.setattr(fuse_callback, "SLOWER_THAN_EAGER", 0.0)  # CPU timing noise must not drop it here
+    eager = fit(lambda: UserCompiledTask(compile_it=False))
+    cb = fuse()
+    fused = fit(lambda: UserCompiledTask(compile_it=True), [cb])
+    assert cb.plan.name == "user-compiled"
+    assert cb.decision is None  # nothing measured: FuseCallback compiles nothing of its own
+    assert cb.fit.dropped is None
+    assert fused.task.model._compiled_call_impl is not None  # the user's compile is left as the user made it
+    fused.task.model._compiled_call_impl = None  # for assert_same_training's check that ours is gone
+    assert_same_training(fused, eager)
+
+
+# ---------------------------------------------------------------------------------------------- shapes that change
+def test_sequence_length_varies_per_batch(monkeypatch):
+    pin_search(monkeypatch)
+    lengths = VariableLengthTask().sequence_lengths()
+    assert len(set(lengths)) >= 3 and min(lengths) >= 5 and max(lengths) == 16
+    eager = fit(VariableLengthTask)
+    cb = fuse()
+    fused = fit(VariableLengthTask, [cb])
+    assert_plan_ran(cb, "regions")
+    regions = [r.name for r in cb.plan.runners]
+    assert regions == ["model.blocks.0", "model.blocks.1"]
+    reasons = {name: stats.recompile_reasons for name, stats in cb.tracker.regions.items()}
+    assert cb.tracker.total_recompiles <= 2 * len(regions), reasons
+    for name in regions:
+        assert cb.tracker.stats(name).recompiles <= 2
+    assert_same_training(fused, eager)
+
+
+def test_mixture_of_experts_with_data_dependent_routing(monkeypatch):
+    pin_search(monkeypatch)
+    make = lambda: ClassifierTask(MoENet(), dataset=features(tokens=6))
+    eager = fit(make)
+    cb = fuse()
+    fused = fit(make, [cb])
+    assert cb.plan is not None
+    assert cb.history and cb.history[-1]["plan"] == cb.plan.name
+    assert_plan_ran(cb, "regions")
+    assert_same_training(fused, eager)
+
+
+def test_a_user_compiled_model_is_never_dropped_nor_compiled_again(monkeypatch):
+    monkeypatch.setattr(fuse_callback, "SLOWER_THAN_EAGER", 100.0)  # every epoch measures "slower than eager"
+    calls = []
+
+    def counting_backend(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+
+        return run
+
+    class Counted(Callback):
+        def __init__(self):
+            self.at_epoch_end = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.at_epoch_end.append(len(calls))
+
+    def make():
+        task = ClassifierTask(BlockNet())
+        task.model.compile(backend=counting_backend)
+        return task
+
+    cb, counted = fuse(), Counted()
+    fit(make, [cb, counted])
+    assert cb.fit.dropped is None and cb.plan.name == "user-compiled"  # not ours to drop, however it measures
+    assert counted.at_epoch_end[0] > 0  # the user's compiled code ran in epoch 0 ...
+    assert counted.at_epoch_end[1] > counted.at_epoch_end[0]  # ... and in epoch 1
+    assert cb.tracker.total_compiles == 0  # FuseCallback compiled nothing itself
