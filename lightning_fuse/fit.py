@@ -46,7 +46,13 @@ log = logging.getLogger("lightning_fuse")
 
 @dataclass
 class FitState:
-    """Everything one fit of FuseCallback learns; a new one at every fit start."""
+    """Everything one fit of FuseCallback learns; a new one at every fit start (:meth:`start`).
+
+    Example::
+
+        >>> FitState().what_ran()
+        'eager (no plan was installed)'
+    """
 
     options: FuseOptions | None = None
     setting: Setting | None = None

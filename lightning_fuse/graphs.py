@@ -48,7 +48,13 @@ PLAIN = (bool, int, float, str, type(None))
 
 
 class Uncapturable(Exception):
-    """The module's call cannot live in a CUDA graph; the message says why in one line."""
+    """The module's call cannot live in a CUDA graph; the message says why in one line.
+
+    Example::
+
+        >>> str(Uncapturable("its output holds a DynamicCache"))
+        'its output holds a DynamicCache'
+    """
 
 
 def graph_target(root: nn.Module) -> tuple[str, nn.Module]:

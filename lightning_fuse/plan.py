@@ -37,7 +37,14 @@ GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 
 @dataclass
 class Setting:
-    """What every plan is built from: the regions, the network (the graph target), the compile arguments."""
+    """What every plan is built from: the regions, the network (the graph target), the compile arguments.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> Setting([], ("net", net), CompileOptions(), torch.device("cpu")).max_graphs
+        1
+    """
 
     regions: list[Region]
     target: tuple[str, nn.Module]
@@ -101,7 +108,23 @@ class Plan:
 
 
 class Regions(Plan):
-    """The regions compiled in place, and optionally one CUDA graph over the network's forward and backward."""
+    """The regions compiled in place, and optionally one CUDA graph over the network's forward and backward.
+
+    Args:
+        setting: The regions, the network, the compile arguments.
+        graph: Also capture one CUDA graph over the network (CUDA only).
+
+    Example::
+
+        >>> from lightning_fuse.regions import Region
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> plan = Regions(Setting([Region("0", net[0])], ("net", net), CompileOptions(backend="eager"),
+        ...                        torch.device("cpu")), graph=False)
+        >>> plan.install(); plan.compiled_regions
+        ['0']
+        >>> plan.uninstall(); plan.compiled_regions
+        []
+    """
 
     def __init__(self, setting: Setting, graph: bool) -> None:
         self.setting = setting
@@ -154,7 +177,14 @@ class Regions(Plan):
 
 
 class Graph(Regions):
-    """One CUDA graph over the eager network's forward and backward: no compile, captured in about a second."""
+    """One CUDA graph over the eager network's forward and backward: no compile, captured in about a second.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> Graph(Setting([], ("net", net), CompileOptions(), torch.device("cuda"))).name
+        'graph'
+    """
 
     def __init__(self, setting: Setting) -> None:
         super().__init__(replace(setting, regions=[]), graph=True)
@@ -163,7 +193,15 @@ class Graph(Regions):
 
 
 class Whole(Regions):
-    """The whole network compiled as one region: ``mode="reduce-overhead"`` (torch's CUDA graphs) or default."""
+    """The whole network compiled as one region: ``mode="reduce-overhead"`` (torch's CUDA graphs) or default.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> setting = Setting([], ("net", net), CompileOptions(backend="eager"), torch.device("cpu"))
+        >>> Whole(setting, "reduce-overhead").name, Whole(setting, None).name
+        ('reduce-overhead', 'compile')
+    """
 
     def __init__(self, setting: Setting, mode: str | None) -> None:
         name, module = setting.target
@@ -181,7 +219,15 @@ class Whole(Regions):
 
 class UserCompiled(Plan):
     """The user compiled the network before the fit (``model.compile()``): nothing is compiled twice; the eager
-    reference steps bypass the user's compiled code, so ``fuse/speedup`` measures the user's compile."""
+    reference steps bypass the user's compiled code, so ``fuse/speedup`` measures the user's compile.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> net.compile(backend="eager")
+        >>> UserCompiled(user_compiled(net)).describe()
+        'user-compiled (1 module(s) already compiled before the fit; FuseCallback only measures)'
+    """
 
     name = "user-compiled"
     owned = False

@@ -52,7 +52,13 @@ TIMED_CALLS = 5
 
 @dataclass
 class Trial:
-    """One candidate's result: its median ms per forward+backward, and what became of it."""
+    """One candidate's result: its median ms per forward+backward, and what became of it.
+
+    Example::
+
+        >>> Trial("regions", 2.5, "chosen")
+        Trial(name='regions', ms=2.5, outcome='chosen')
+    """
 
     name: str
     ms: float | None = None
@@ -62,7 +68,13 @@ class Trial:
 
 @dataclass
 class Decision:
-    """The search's result: the winner and every candidate's trial."""
+    """The search's result: the winner and every candidate's trial.
+
+    Example::
+
+        >>> Decision("eager", [Trial("eager", 3.0, "chosen"), Trial("regions", None, "failed: boom")]).lines()
+        ['eager       3.00 ms  chosen', 'regions              failed: boom']
+    """
 
     winner: str
     trials: list[Trial] = field(default_factory=list)
@@ -236,7 +248,7 @@ class TrialCall:
         >>> with sandbox(lin):
         ...     call()
         ...     loss, norm = call.last()
-        >>> round(float(loss), 4) == round(float(lin(torch.ones(3, 2)).mean()), 4)
+        >>> round(float(loss), 4) == round(float(lin(torch.ones(3, 2)).mean().detach()), 4)
         True
     """
 
