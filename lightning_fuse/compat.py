@@ -68,7 +68,13 @@ class TorchAPIChanged(RuntimeError):
 
 @dataclass(frozen=True)
 class PrivateAPI:
-    """One private torch attribute: its dotted path, what we need it for, and the torch versions it was checked on."""
+    """One private torch attribute: its dotted path, what we need it for, and the torch versions it was checked on.
+
+    Example::
+
+        >>> PRIVATE_APIS["torch._dynamo.config.recompile_limit"].required
+        True
+    """
 
     path: str
     why: str

@@ -45,7 +45,13 @@ TOLERANCES = {
 
 @dataclass
 class CompileOptions:
-    """The arguments passed through to :func:`torch.compile` for every region."""
+    """The arguments passed through to :func:`torch.compile` for every region.
+
+    Example::
+
+        >>> CompileOptions(mode="max-autotune").kwargs()["mode"]
+        'max-autotune'
+    """
 
     mode: str | None = None
     backend: str | Callable[..., Any] = "inductor"
@@ -63,7 +69,13 @@ class CompileOptions:
 
 @dataclass
 class RegionPolicy:
-    """How each region behaves after compiling: verification and the recompile limit."""
+    """How each region behaves after compiling: verification and the recompile limit.
+
+    Example::
+
+        >>> RegionPolicy(recompile_limit=2).on_recompile_limit
+        'eager'
+    """
 
     verify: bool = True
     recompile_limit: int = 8

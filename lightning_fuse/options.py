@@ -31,7 +31,13 @@ AUTO = "auto"
 
 @dataclass(kw_only=True)
 class FuseOptions:
-    """The validated settings of a :class:`~lightning_fuse.FuseCallback` (see its docstring for each field)."""
+    """The validated settings of a :class:`~lightning_fuse.FuseCallback` (see its docstring for each field).
+
+    Example::
+
+        >>> FuseOptions(eager_steps=4).reference_budget
+        0.02
+    """
 
     targets: Target | Sequence[Target] = AUTO
     exclude: Target | Sequence[Target] = ()

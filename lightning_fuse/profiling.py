@@ -22,7 +22,13 @@ from torch.profiler import ProfilerActivity, profile
 
 @dataclass
 class KernelStats:
-    """Kernels launched and GPU-busy fraction per profiled step."""
+    """Kernels launched and GPU-busy fraction per profiled step.
+
+    Example::
+
+        >>> KernelStats(kernels_per_step=120.0, gpu_busy_frac=0.6).gpu_busy_frac
+        0.6
+    """
 
     kernels_per_step: float
     gpu_busy_frac: float

@@ -33,7 +33,14 @@ Target = str | type
 
 @dataclass(frozen=True)
 class Region:
-    """One submodule chosen for compilation."""
+    """One submodule chosen for compilation.
+
+    Example::
+
+        >>> from torch import nn
+        >>> Region("model.head", nn.Linear(2, 3)).num_params
+        9
+    """
 
     name: str
     module: nn.Module

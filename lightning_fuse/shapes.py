@@ -190,7 +190,13 @@ def _keys(batch: Any) -> list[Any]:
 
 @dataclass
 class RegionCompiles:
-    """What torch.compile did for one region."""
+    """What torch.compile did for one region.
+
+    Example::
+
+        >>> RegionCompiles().recompiles
+        0
+    """
 
     compiles: int = 0
     recompiles: int = 0

@@ -480,6 +480,11 @@ class EpochTiming:
         speedup_high: Upper bound of the speedup's interval.
         reference_ms: Time of this epoch's reference steps, timed and lead-in.
         train_ms: This epoch's training time, as far as the timer saw it (0: unknown).
+
+    Example::
+
+        >>> EpochTiming(step_ms=10.0, eager_step_ms=30.0, compiled_steps=50, eager_steps=5).speedup
+        3.0
     """
 
     step_ms: float | None
