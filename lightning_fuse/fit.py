@@ -320,7 +320,7 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
             loser.release()
     plan.install()
     fit.plan = plan
-    if plan.name == "eager":
+    if plan.name == "eager" and fit.decision is not None:
         fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
         fit.schedule.plan_epoch(fit.steps, 1, 0)  # and the chunks already placed in this epoch go
 

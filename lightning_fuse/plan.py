@@ -279,6 +279,6 @@ def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:
         setting.device.type == "cuda" and setting.world_size == 1 and cuda_graph is not False
         and compile_mode not in GRAPHING_MODES
     )  # fmt: skip
-    plan = Regions(setting, graph=graph)
-    plan.reason = f"mode={mode!r}, cuda_graph={cuda_graph!r}"
+    plan = Regions(setting, graph=graph) if setting.regions or graph else Plan()
+    plan.reason = f"mode={mode!r}, cuda_graph={cuda_graph!r}" if plan.modules() else "nothing selected: measure only"
     return plan
