@@ -1,94 +1,61 @@
-"""FuseCallback's own cost per training step: time spent inside its per-step hooks.
+"""FuseCallback's own cost per training step: the host time inside its per-step hooks.
 
-Every per-step hook of the callback is wrapped with ``time.perf_counter`` during a real fit (eager model, so
-nothing is compiled and no step-time noise from compiling enters); the mean microseconds per step, divided by a
-step time, is the callback's overhead. The hooks queue CUDA events on a GPU and never synchronise, so their CPU
-time is their whole cost; the background NVML sampler thread is measured by its own switch (``--no-nvml``).
+The callback's per-step hooks are wrapped with ``time.perf_counter`` during a fit of an eager model (``targets=[]``,
+no CUDA graph: nothing compiles, so only the hooks' own work is measured); with and without the NVML sampler
+thread, each in its own process. ``mean_us`` divided by a step time is the callback's overhead on that step; the
+hooks queue CUDA events and never synchronise, so their host time is their whole cost. On the GPU:
 
-    python benchmarks/overhead.py --device cuda --steps 600 --step-ms 5.42 13.0
+    python benchmarks/overhead.py --steps 600
+    python benchmarks/overhead.py --smoke   # CPU, 40 steps
 """
 
-import argparse
-import cProfile
-import io
-import json
-import pstats
+from __future__ import annotations
+
 import statistics
 import sys
 import time
-from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness
+import models
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from lightning_fuse import FuseCallback
 
-from lightning_fuse import FuseCallback  # noqa: E402
-
+FIELDS = ("variant", "steps", "mean_us", "median_us", "p99_us", "error")
 HOOKS = ("on_train_batch_start", "on_train_batch_end")
+VARIANTS = ("nvml", "no_nvml")
+SETTLE = 10
+"""The first steps set up state (events, the schedule); they are left out."""
 
 
-class Tiny(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.model(x), y)
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def measure(device: str, steps: int, nvml: bool, profile: cProfile.Profile | None = None) -> dict:
-    fuse = FuseCallback(targets=[], cuda_graph=False, cache_dir=False, gpu_sample_hz=10.0 if nvml else 0)
+def measure(spec: dict) -> dict:
+    fuse = FuseCallback(targets=[], cuda_graph=False, cache_dir=False,
+                        gpu_sample_hz=10.0 if spec["variant"] == "nvml" else 0)  # fmt: skip
     spent: dict[str, list[float]] = {hook: [] for hook in HOOKS}
     for hook in HOOKS:
         original = getattr(fuse, hook)
 
-        def timed(*args, _original=original, _hook=hook, **kwargs):
-            if profile is not None:
-                profile.enable()
+        def timed(*args: Any, _original: Any = original, _hook: str = hook, **kwargs: Any) -> None:
             start = time.perf_counter()
             _original(*args, **kwargs)
             spent[_hook].append(time.perf_counter() - start)
-            if profile is not None:
-                profile.disable()
 
         setattr(fuse, hook, timed)
-    data = TensorDataset(torch.randn(steps * 8, 32), torch.randint(0, 4, (steps * 8,)))
-    trainer = pl.Trainer(accelerator=device, devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[fuse])
-    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
-    per_step = [a + b for a, b in zip(*spent.values())][10:]  # the first steps set up state
-    return {"device": device, "nvml": nvml, "steps": len(per_step), "mean_us": 1e6 * statistics.mean(per_step),
-            "median_us": 1e6 * statistics.median(per_step), "p99_us": 1e6 * sorted(per_step)[int(0.99 * len(per_step))]}
+    task, loader = models.build("gpt", 8, True, spec["steps"])  # a tiny GPT: the hooks' work does not depend on it
+    result = harness.fit(task, loader, steps=spec["steps"], warmup=0, callbacks=[fuse])
+    per_step = [1e6 * (a + b) for a, b in zip(*spent.values())][SETTLE:]
+    if not per_step:
+        return {"error": result["error"] or "no step was timed"}
+    return {"steps": len(per_step), "mean_us": statistics.mean(per_step), "median_us": statistics.median(per_step),
+            "p99_us": sorted(per_step)[int(0.99 * len(per_step))], "error": result["error"]}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--step-ms", type=float, nargs="*", default=[5.42, 13.0],
-                        help="step times to relate the cost to (default: H100 fuse steps, GPT-8L bs 8 and 64)")
-    parser.add_argument("--profile", action="store_true", help="also print the hooks' top functions (cProfile)")
-    args = parser.parse_args()
-    if args.profile:  # a separate run: cProfile slows the hooks it measures
-        profile = cProfile.Profile()
-        measure(args.device, args.steps, True, profile)
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
-        print(text.getvalue())
-    for nvml in (True, False):
-        result = measure(args.device, args.steps, nvml)
-        result["share_of_step"] = {f"{ms} ms": result["mean_us"] / (ms * 1e3) for ms in args.step_ms}
-        print(json.dumps(result))
+def main(argv: list[str] | None = None) -> int:
+    args = harness.parser(__doc__, "overhead.jsonl", variants=VARIANTS, steps=600).parse_args(argv)
+    group = [{"variant": variant, "steps": 40 if args.smoke else args.steps}
+             for variant in harness.split(args.variants, VARIANTS)]  # fmt: skip
+    return harness.run(args, "overhead.py", measure, FIELDS, [group])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,172 +1,254 @@
-"""CPU smoke test of ``benchmarks/peers.py``: every code path on tiny models, 2 steps, the ``aot_eager`` backend.
+"""CPU smoke tests of the benchmark harnesses: every script's ``--smoke`` path, on tiny models.
 
-Only the CUDA-only measurements (CUDA events, NVML utilisation, peak memory, CUDA graphs) are absent on CPU: timing
-falls back to ``time.perf_counter`` and those fields stay ``None``.
+Two scripts run end to end through their CLI, in background processes started once for the module: ``zoo.py``
+(a compiling variant: a cold and a warm child process) and ``multi_gpu.py`` (Lightning's 2-process DDP on gloo).
+The other scripts run their ``main`` in this process with the child launch replaced by a direct call of their
+``measure``: the same records, without paying a fresh interpreter per job. The harness's own process handling
+(crashes, the budget, alternating order) is tested with stdlib-only child scripts.
 """
 
 from __future__ import annotations
 
-import io
+import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import peers
-
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--tiny", "--backend", "aot_eager"]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import harness  # noqa: E402
+import models  # noqa: E402
+
+ENV = ["device", "torch", "run_started", "command"]
+CLI = {
+    "zoo": ["--models", "gpt", "--batches", "small", "--variants", "eager"],
+    "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small", "--variants", "eager"],
+}
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check(records: list[dict], fields: tuple[str, ...], count: int) -> None:
+    assert len(records) == count, records
+    for record in records:
+        assert list(record) == [*fields, *ENV], "exactly the fields, in order"
+        assert record["error"] is None, record["error"]
+        assert record["device"] == "cpu" and record["command"].startswith("python ")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """Start both CLI smoke runs with the module's first test; the in-process tests run while they import torch."""
+    out = tmp_path_factory.mktemp("cli")
+    procs = {name: (subprocess.Popen([sys.executable, f"benchmarks/{name}.py", "--smoke", "--out", str(out / name),
+                                      *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+                    out / name) for name, args in CLI.items()}  # fmt: skip
+    yield procs
+    for proc, _ in procs.values():
+        proc.kill()
+
+
+def _finished(run: tuple[subprocess.Popen, Path]) -> Path:
+    proc, out = run
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, output[-3000:]
+    return out
 
 
 @pytest.fixture
-def restore_torch_settings():
-    """The measuring code sets process-wide torch settings; put them back for the other tests."""
-    limit, precision = torch._dynamo.config.recompile_limit, torch.get_float32_matmul_precision()
-    yield
-    torch._dynamo.config.recompile_limit = limit
-    torch.set_float32_matmul_precision(precision)
+def in_process(monkeypatch: pytest.MonkeyPatch):
+    """Jobs run in this process: ``Runner.launch`` calls the script's ``measure`` (errors become records)."""
+
+    def launch(self, script: str, spec: dict, env: dict | None = None) -> dict:
+        module = __import__(Path(script).stem)
+        try:
+            return module.measure(json.loads(json.dumps(spec)))
+        except Exception as err:
+            return {"error": harness.describe(err)}
+
+    monkeypatch.setattr(harness.Runner, "launch", launch)
 
 
-def _records(text: str) -> list[dict]:
-    lines = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    return [line for line in lines if line.get("event") == "record"]
+def test_zoo_cold_and_warm_and_the_table(tmp_path: Path, in_process) -> None:
+    import zoo
+
+    out = tmp_path / "zoo.jsonl"
+    args = ["--smoke", "--models", "gpt", "--batches", "small,large", "--variants", "eager,fuse", "--out"]
+    assert zoo.main([*args, str(out)]) == 0
+    records = _records(out)
+    _check(records, zoo.FIELDS, 4)
+    assert [(r["batch_size"], r["variant"]) for r in records] == [(2, "eager"), (2, "fuse"), (4, "eager"), (4, "fuse")]
+    eager, fuse = records[:2]
+    assert eager["setup_s_cold"] is None and eager["setup_s_warm"] > 0 and eager["plan"] is None
+    assert fuse["setup_s_cold"] > 0 and fuse["setup_s_warm"] > 0 and fuse["plan"], "cold, then warm: two fits"
+    text = harness.table([out])
+    assert text.count("\n| gpt | recipes |") == 4 and "| model | source | batch_size | variant |" in text
+    assert harness.main(["table", str(out)]) == 0
 
 
-def test_steps_and_setup_in_process(tmp_path: Path, restore_torch_settings) -> None:
-    out = io.StringIO()
-    argv = ["steps", "--model", "gpt", "--batch", "2", "--variants", "eager,fuse", "--cache", str(tmp_path),
-            "--steps", "2", "--warmup", "1", *TINY]  # fmt: skip
-    assert peers.main(argv, results=out) == 0
-    records = {r["variant"]: r for r in _records(out.getvalue())}
-    assert set(records) == {"eager", "fuse"}
-    for rec in records.values():
-        assert rec["error"] is None, rec["error"]
-        assert rec["timing"] == "perf_counter" and rec["timed_steps"] == 2 and rec["step_ms"] > 0
-        assert rec["iter_ms"] > 0 and rec["first_step_s"] > 0
-        assert rec["gpu_util"] is None and "peak_mem_gb" not in rec  # CUDA-only
-        for key in ("device", "torch", "lightning", "triton", "measure_command"):
-            assert key in rec
-    fuse = records["fuse"]["fuse"]
-    assert fuse["compiled_regions"] == fuse["regions"] == 2 and not fuse["fallbacks"], fuse
-    assert (tmp_path / "gpt-tiny-2" / "fuse" / "fuse").is_dir(), "fuse's cache_dir is the run's cache dir"
+def test_regional_finds_the_repeated_blocks() -> None:
+    from recipes.models import GPT, resnet18_cifar
 
-    out = io.StringIO()
-    argv = ["setup", "--model", "resnet", "--batch", "2", "--variant", "eager", "--cache", str(tmp_path),
-            "--steps", "2", *TINY]  # fmt: skip
-    assert peers.main(argv, results=out) == 0
-    (rec,) = _records(out.getvalue())
-    assert rec["error"] is None, rec["error"]
-    assert rec["model"] == "resnet" and 0 < rec["setup_s"] <= rec["ready_s"]
-
-    import peers_measure
-    from recipes.models import resnet18_cifar
-
-    net = resnet18_cifar()
-    blocks = peers_measure.regional_blocks(net, "resnet")
-    assert len(blocks) == 8 and {type(b).__name__ for b in blocks} == {"BasicBlock"}, "layer1..layer4, 2 each"
+    assert {type(b).__name__ for b in models.repeated_blocks(resnet18_cifar())} == {"BasicBlock"}
+    assert len(models.repeated_blocks(resnet18_cifar())) == 8, "layer1..layer4, 2 each"
+    gpt = GPT(vocab_size=256, max_seq_len=16, n_layer=3, d_model=32, n_head=4)
+    assert models.repeated_blocks(gpt) == list(gpt.blocks)
+    with pytest.raises(ValueError, match="none of eager"):
+        models.apply_variant(models.build("gpt", 2, True, 2)[0], "fast", smoke=True)
 
 
-def test_loss_check_in_process(tmp_path: Path, restore_torch_settings) -> None:
-    out = io.StringIO()
-    argv = ["loss", "--model", "gpt", "--batch", "2", "--steps", "6", "--cache", str(tmp_path), *TINY]
-    assert peers.main(argv, results=out) == 0
-    (rec,) = _records(out.getvalue())
-    assert rec["error"] is None, rec["error"]
-    assert rec["kind"] == "loss" and rec["variant"] == "loss_check"
-    assert rec["eager_first_loss"] == pytest.approx(rec["fuse_first_loss"], rel=1e-3), "same seed, same data"
-    assert rec["agree"] is True and rec["rel_diff"] < rec["tolerance"]
+@pytest.mark.parametrize("model", list(models.MODELS))
+def test_every_model_builds_with_its_loss(model: str) -> None:
+    if models.MODELS[model][0] == "transformers":
+        pytest.importorskip("transformers")
+    task, loader = models.build(model, 2, smoke=True, length=2)
+    with torch.no_grad():
+        loss = task.training_step(next(iter(loader)), 0)
+    assert loss.ndim == 0 and loss > 0 and len(loader) == 2
 
 
-def test_run_end_to_end(tmp_path: Path) -> None:
-    """The orchestration: cold + warm setup in fresh processes, a steps process, the JSON file and the table."""
-    argv = [sys.executable, str(ROOT / "benchmarks" / "peers.py"), "run", "--out", str(tmp_path), "--regimes",
-            "gpt:2", "--variants", "eager,fuse", "--steps", "2", "--warmup", "1", "--setup-steps", "2", "--no-loss",
-            "--budget-s", "150", "--cache", str(tmp_path / "cache"), *TINY]  # fmt: skip
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=170)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "fuse never slower than eager" in done.stdout, done.stdout
-    (path,) = tmp_path.glob("*.json")
-    records = {r["variant"]: r for r in json.loads(path.read_text())}
-    assert set(records) == {"eager", "fuse"}
-    for rec in records.values():
-        assert rec["error"] is None, rec["error"]
-        for key in ("model", "batch_size", "variant", "step_ms", "setup_s_cold", "setup_s_warm", "peak_mem_gb",
-                    "gpu_util", "device", "torch", "lightning", "triton", "command"):  # fmt: skip
-            assert key in rec
-        assert rec["step_ms"] > 0 and rec["command"].startswith("python benchmarks/peers.py run")
-    fuse = records["fuse"]
-    assert fuse["setup_s_cold"] > 0 and fuse["setup_s_warm"] > 0 and fuse["setup_at_batch"] == 2
-    assert fuse["cache_state"].startswith("warm")
-    assert records["eager"]["setup_s_cold"] is None  # eager compiles nothing
-    assert not list((tmp_path / "cache").iterdir()), "the run's caches are removed at the end"
-    assert (tmp_path / "logs" / "cold-gpt-2-fuse.log").exists()
+def test_patterns_every_pattern(tmp_path: Path, in_process) -> None:
+    pytest.importorskip("transformers")
+    import patterns
+
+    out = tmp_path / "patterns.jsonl"
+    names = [name for name in patterns.PATTERNS if name not in ("precompiled", "varying_length_buckets")]
+    argv = ["--smoke", "--patterns", ",".join(names), "--models", "llama,gpt", "--variants", "eager", "--out", str(out)]
+    assert patterns.main(argv) == 0
+    records = _records(out)
+    lora = [r for r in records if r["pattern"] == "lora"]
+    if lora and lora[0]["error"]:  # peft missing: an error record, the run goes on
+        assert "peft" in lora[0]["error"]
+        records.remove(lora[0])
+    _check(records, patterns.FIELDS, len(records))
+    by_pattern = {r["pattern"]: r for r in records}
+    assert set(by_pattern) >= set(names) - {"lora"}
+    assert by_pattern["accumulate_clip"]["steps"] == 4 * 4, "4 micro-batches per optimizer step"
+    assert by_pattern["two_optimizers"]["steps"] == 4, "two optimizer steps per batch"
+    assert all(r["final_loss"] > 0 for r in records)
 
 
-def _synthetic() -> list[dict]:
-    """Two regimes of one model as a GPU run would write them, with known verdicts."""
-    common = {"device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "lightning": "2.6.6", "triton": "3.6.0",
-              "cuda": "13.0", "python": "3.12", "command": "python benchmarks/peers.py run --out x", "kind": "step",
-              "timing": "cuda_events", "warmup_steps": 15, "timed_steps": 100, "model": "gpt"}  # fmt: skip
-    small = {"eager": 22.0, "compile": 14.0, "reduce_overhead": 5.0, "regional": 24.0, "fuse": 3.9,
-             "eager_callback": 22.1, "fuse_full_autotune_graph": None}  # fmt: skip
-    large = {"eager": 27.0, "compile": 16.0, "reduce_overhead": None, "regional": 26.0, "fuse": 15.0}
-    setups = {"compile": (30.0, 3.0), "reduce_overhead": (21.0, 2.4), "regional": (5.0, 1.0), "fuse": (13.0, 2.0)}
-    records = []
-    for batch, table in ((8, small), (64, large)):
-        for variant, ms in table.items():
-            cold, warm = setups.get(variant, (None, None))
-            records.append({**common, "batch_size": batch, "variant": variant, "step_ms": ms, "iter_ms": ms and ms + 1,
-                            "setup_s_cold": cold, "setup_s_warm": warm, "setup_at_batch": 8 if cold else None,
-                            "peak_mem_gb": 1.5, "gpu_util": 50.0,
-                            "error": None if ms else "OutOfMemoryError: CUDA out of memory"})  # fmt: skip
-    records.append({**common, "kind": "loss", "variant": "loss_check", "batch_size": 8, "steps": 200, "window": 20,
-                    "eager_loss": 1.50, "fuse_loss": 1.51, "rel_diff": 0.0067, "agree": True, "tolerance": 0.02,
-                    "eager_first_loss": 9.1, "fuse_first_loss": 9.1, "data": "text"})  # fmt: skip
-    return records
+def test_a_fuse_pattern_records_plan_and_recompiles(tmp_path: Path, in_process) -> None:
+    import patterns
+
+    out = tmp_path / "patterns.jsonl"
+    assert patterns.main(["--smoke", "--patterns", "moe", "--variants", "fuse", "--out", str(out)]) == 0
+    (record,) = _records(out)
+    _check([record], patterns.FIELDS, 1)
+    assert record["plan"] and record["recompiles"] is not None
 
 
-def test_report_on_synthetic_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = tmp_path / "nvidia-h100-80gb-hbm3.json"
-    path.write_text(json.dumps(_synthetic()))
-    assert peers.main(["report", str(path)]) == 0
-    text = capsys.readouterr().out
-    assert "### GPT-8L, batch 8" in text and "### GPT-8L, batch 64" in text
-    assert "| **fuse** | 3.90 | 4.90 | 5.64x | 0.78x | 13.0 | 2.0 |" in text, "vs eager 22/3.9, vs best (RO) 3.9/5"
-    assert "OutOfMemoryError" in text, "a crashed variant shows its error"
-    verdicts = [line for line in text.splitlines() if line.startswith(("- **PASS", "- **FAIL", "- **MISSING"))]
-    assert verdicts[0].startswith("- **PASS** fuse step <= 0.80x best alternative (small batch)"), "3.9 <= 0.8 x 5.0"
-    assert verdicts[1].startswith("- **PASS** fuse never slower than eager")
-    assert verdicts[2].startswith("- **PASS** fuse cold setup"), "13.0 s <= 0.5 x 30.0 s"
-    assert verdicts[3].startswith("- **PASS** fuse warm setup"), "2.0 s <= 0.25 x 13.0 s"
-    assert verdicts[4].startswith("- **PASS** callback overhead"), "22.1 vs 22.0 ms is +0.45%"
-    assert verdicts[5].startswith("- **FAIL** fuse step <= 0.87x best alternative (large batch)"), "15/16 = 0.94x"
-    assert verdicts[6].startswith("- **PASS** fuse never slower than eager")
-    assert "- setup targets: measured at bs 8, see there" in text
-    assert "**PASS** learning check" in text
-    assert text.splitlines()[2].startswith("Targets: 7 PASS, 1 FAIL")
-    assert "python benchmarks/peers.py run --out x" in text, "the exact command is in the report"
+def test_telemetry_four_fits(tmp_path: Path, in_process) -> None:
+    import telemetry
+
+    out = tmp_path / "telemetry.jsonl"
+    argv = ["--smoke", "--models", "gpt", "--batches", "small", "--epoch-steps", "10", "--out", str(out)]
+    assert telemetry.main(argv) == 0
+    (record,) = _records(out)
+    _check([record], telemetry.FIELDS, 1)
+    assert record["independent"] > 0 and record["reference_cost"] is not None
+    if importlib.util.find_spec("scipy"):
+        assert record["independent_low"] <= record["independent"] <= record["independent_high"]
+    low, high = telemetry.interval([10.0, 11.0, 12.0, 10.5], [5.0, 5.5, 5.2, 5.1])
+    assert 1.5 < low <= high < 2.5
 
 
-def test_argument_validation() -> None:
-    with pytest.raises(SystemExit):
-        peers.main(["run", "--out", "x", "--variants", "eager,fast"])
-    with pytest.raises(SystemExit):
-        peers.main(["run", "--out", "x", "--regimes", "vit:8"])
-    assert peers._variants("fuse,eager") == ["eager", "fuse"], "canonical order, eager first"
-    assert peers._regimes("gpt:8, resnet:16") == [("gpt", 8), ("resnet", 16)]
+def test_whole_step_and_overhead(tmp_path: Path, in_process) -> None:
+    import overhead
+    import whole_step
+
+    out = tmp_path / "whole_step.jsonl"
+    assert whole_step.main(["--smoke", "--models", "gpt", "--variants", "fuse", "--out", str(out)]) == 0
+    (record,) = _records(out)
+    _check([record], whole_step.FIELDS, 1)
+    assert record["step_ms"] > 0 and record["floor_ms"] is None, "no CUDA kernels on CPU"
+    assert record["final_loss"] > 0 and record["eager_final_loss"] > 0
+    out = tmp_path / "overhead.jsonl"
+    assert overhead.main(["--smoke", "--variants", "no_nvml", "--out", str(out)]) == 0
+    (record,) = _records(out)
+    _check([record], overhead.FIELDS, 1)
+    assert record["mean_us"] > 0
 
 
-def test_process_check_alternates_plain_and_fuse_fits(tmp_path: Path) -> None:
-    """``process_check.py`` on CPU: a plain fit's steps are all labelled compiled, a fuse fit has its eager chunks."""
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "process_check.py"), "--out", str(tmp_path), "--tiny",
-           "--backend", "aot_eager", "--batch", "4", "--steps", "60", "--order", "plain,fuse",
-           "--cache", str(tmp_path / "cache")]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, timeout=600)
-    (record,) = [json.loads(line) for line in (tmp_path / "process_check.jsonl").read_text().splitlines()]
-    plain, fuse = record["fits"]
-    assert plain["fit"] == "plain" and set(plain) == {"fit", "wall_s", "children_cpu_s", "compiled"}
-    assert fuse["fit"] == "fuse" and fuse["eager"] > 0 and fuse["compiled"] > 0
-    assert record["steps"] == 60 and "process_check.py" in record["command"]
+CHILD = """
+import json, os, sys, time
+spec = json.loads(sys.argv[2])
+if spec["do"] == "raise":
+    raise RuntimeError("broken variant")
+if spec["do"] == "die":
+    os._exit(3)
+if spec["do"] == "sleep":
+    time.sleep(60)
+print("@record " + json.dumps({"step_ms": 1.5, "error": None}))
+"""
+
+
+def test_runner_records_crashes_and_goes_on(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    runner = harness.Runner(tmp_path / "out.jsonl", ("variant", "step_ms", "error"), budget_s=30)
+    for do in ("ok", "raise", "die", "ok"):
+        runner.write({"variant": do, **runner.launch(str(script), {"do": do})})
+    ok, raised, died, again = _records(tmp_path / "out.jsonl")
+    assert ok["step_ms"] == 1.5 and ok["error"] is None and again["error"] is None, "a crash never stops the run"
+    assert raised["error"] == "process died (exit code 1): RuntimeError: broken variant"
+    assert died["error"].startswith("process died (exit code 3)")
+    assert list(ok) == ["variant", "step_ms", "error", *ENV]
+
+
+def test_runner_budget_kills_and_skips(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    runner = harness.Runner(tmp_path / "out.jsonl", ("error",), budget_s=3)
+    start = time.monotonic()
+    assert runner.launch(str(script), {"do": "sleep"})["error"].startswith("killed: ran past the time budget")
+    assert time.monotonic() - start < 10
+    assert runner.launch(str(script), {"do": "ok"})["error"].startswith("skipped:")
+
+
+def test_fit_turns_an_exception_into_error() -> None:
+    task, loader = models.build("gpt", 2, smoke=True, length=4)
+    task.loss_fn = lambda model, batch: 1 / 0
+    result = harness.fit(task, loader, steps=4, warmup=1)
+    assert result["error"] == "ZeroDivisionError: division by zero" and result["step_ms"] is None
+
+
+def test_schedule_alternates_and_table_keeps_the_newest(tmp_path: Path) -> None:
+    groups = [[{"v": "a"}, {"v": "b"}], [{"v": "c"}, {"v": "d"}]]
+    assert [job["v"] for job in harness.schedule(groups, 2)] == ["a", "b", "c", "d", "b", "a", "d", "c"]
+    path = tmp_path / "r.jsonl"
+    env = {"device": "cpu", "torch": "2", "command": "python x"}
+    lines = [{"model": "m", "variant": "eager", "step_ms": ms, "error": None, **env, "run_started": when}
+             for ms, when in ((3.0, "2026-01-02"), (2.0, "2026-01-01"))]  # fmt: skip
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    text = harness.table([path])
+    assert "| m | eager | 3.00 | - |" in text and "2.00" not in text, "the newest run counts, not the last line"
+    assert "- 2026-01-02, cpu, torch 2: `python x`" in text
+
+
+def test_zoo_in_a_child_process(cli_runs: dict) -> None:
+    import zoo
+
+    (record,) = _records(_finished(cli_runs["zoo"]))
+    _check([record], zoo.FIELDS, 1)
+    assert record["model"] == "gpt" and record["source"] == "recipes" and record["variant"] == "eager"
+    assert record["step_ms"] > 0 and record["setup_s_warm"] > 0 and record["setup_s_cold"] is None
+    assert record["peak_gb"] is None, "no CUDA: no peak memory"
+    assert "--smoke --out" in record["command"]
+
+
+def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
+    import multi_gpu
+
+    (record,) = _records(_finished(cli_runs["multi_gpu"]))
+    _check([record], multi_gpu.FIELDS, 1)
+    assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["step_ms"] > 0
+    assert record["final_loss"] > 0

@@ -1,0 +1,307 @@
+"""The one harness of the benchmarks: each variant in its own process, one step clock, JSON lines, Markdown tables.
+
+A script turns its CLI into jobs; a :class:`Runner` launches each job as ``python <script> --child '<spec>'``
+within the time budget (what does not fit is recorded as skipped, a process that runs past it is killed), and
+appends one JSON object a line to the results file, with ``device``, ``torch``, ``run_started`` and ``command``.
+In the child, :func:`serve` runs the script's ``measure(spec)``, which trains with :func:`fit`: a Lightning fit
+timed by :class:`StepClock`, whose exception becomes the record's ``error`` (a crash never stops the run).
+
+Render results as a Markdown table (the newest record of each key counts):
+
+    python benchmarks/harness.py table benchmarks/results/zoo.jsonl > benchmarks/results/zoo.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from lightning_fuse.timing import SKIPPED, StepTimer  # noqa: E402
+
+RECORD = "@record "
+"""Prefix of the child's result line on stdout (libraries print there too)."""
+KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "epoch_steps", "variant")
+"""Fields that name what a record measured; the table keeps the newest record of each combination."""
+ENV = ("device", "torch", "run_started", "command")
+LOSS_WINDOW = 10
+"""``final_loss`` is the mean loss of the fit's last this many steps."""
+
+
+def environment() -> dict[str, str]:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "torch": torch.__version__, "run_started": datetime.now().isoformat(timespec="seconds"),
+            "command": shlex.join(["python", *sys.argv])}  # fmt: skip
+
+
+def describe(err: BaseException) -> str:
+    """The first line of an exception, with its type: what a record's ``error`` says."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def parser(doc: str, out: str, *, models: str | None = None, batches: str | None = None, variants: Sequence[str] = (),
+           steps: int | None = None, warmup: int | None = None) -> argparse.ArgumentParser:
+    """The options every script shares, and those it names a default for; the script adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / out, help="JSON lines to append")
+    p.add_argument("--budget-s", type=float, default=540.0, help="skip what does not fit in this many seconds")
+    p.add_argument("--repeats", type=int, default=1, help="run every job again, in reverse order on odd repeats")
+    p.add_argument("--smoke", action="store_true", help="tiny models, a few steps, CPU: the code path only")
+    p.add_argument("--logs", type=Path, help="keep each child process's output in this folder")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    if models:
+        p.add_argument("--models", default=models, help="a comma list (models.py lists them)")
+    if batches:
+        p.add_argument("--batches", default=batches, help="small, large or numbers, a comma list")
+    if variants:
+        p.add_argument("--variants", default="all", help=f"a comma list of {', '.join(variants)}, or all")
+    if steps:
+        p.add_argument("--steps", type=int, default=steps, help="training steps (optimizer steps)")
+    if warmup:
+        p.add_argument("--warmup", type=int, default=warmup, help="untimed first steps")
+    return p
+
+
+def run(args: argparse.Namespace, script: str, measure: Callable[[dict], dict], fields: Sequence[str],
+        groups: Iterable[Sequence[dict]], launch: Callable[[Runner, dict, dict], dict] | None = None) -> int:
+    """A script's main once parsed: the child's side (``--child``), or every job, each with a fresh compile cache.
+
+    ``launch(runner, spec, env)`` replaces the single ``Runner.launch`` of a job (the zoo's cold and warm pair).
+    """
+    if args.child:
+        return serve(measure, args.child)
+    runner = Runner(args.out, fields, args.budget_s, args.logs)
+    launch = launch or (lambda runner, spec, env: runner.launch(script, spec, env))
+    for spec in schedule(groups, args.repeats):
+        with cache_env() as (env, cache):
+            runner.write({**spec, **launch(runner, {**spec, "cache_dir": cache}, env)})
+    return 0
+
+
+def split(text: str, allowed: Sequence[str]) -> list[str]:
+    """A comma list checked against ``allowed`` (``all``: every one)."""
+    names = list(allowed) if text == "all" else [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise SystemExit(f"unknown {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
+def schedule(groups: Iterable[Sequence[dict]], repeats: int) -> Iterator[dict]:
+    """Every group's jobs (the variants of one model and batch), reversed on odd repeats to balance drift."""
+    groups = list(groups)
+    for repeat in range(repeats):
+        for group in groups:
+            yield from (reversed(group) if repeat % 2 else group)
+
+
+@contextmanager
+def cache_env() -> Iterator[tuple[dict[str, str], str]]:
+    """A fresh compile cache, removed afterwards: the environment for inductor and Triton, FuseCallback's dir."""
+    with tempfile.TemporaryDirectory(prefix="bench-cache-") as root:
+        yield {"TORCHINDUCTOR_CACHE_DIR": f"{root}/inductor", "TRITON_CACHE_DIR": f"{root}/triton"}, f"{root}/fuse"
+
+
+class Runner:
+    """Launches child processes within ``budget_s`` and appends their records to ``out``.
+
+    Args:
+        out: The JSON-lines file.
+        fields: A record's fields, in order, before the environment's; a missing one is written as ``null``.
+        budget_s: Seconds for the whole run. A job is skipped when less is left than the longest process so far
+            took, and killed (with its process group) when it runs past the end.
+        logs: Keep each child's stdout and stderr there.
+    """
+
+    def __init__(self, out: Path, fields: Sequence[str], budget_s: float, logs: Path | None = None) -> None:
+        self.out, self.fields, self.logs = Path(out), tuple(fields), logs
+        self.deadline = time.monotonic() + budget_s
+        self.longest = 0.0
+        self.env = environment()
+        self.launched = 0
+
+    def launch(self, script: str, spec: dict, env: dict[str, str] | None = None) -> dict:
+        """Run ``python script --child spec``; its record, or one whose ``error`` says why there is none."""
+        left = self.deadline - time.monotonic()
+        if left <= max(self.longest, 1.0):
+            return {"error": f"skipped: {left:.0f} s of the budget left, the longest process took {self.longest:.0f} s"}
+        argv = [sys.executable, str(ROOT / "benchmarks" / script), "--child", json.dumps(spec)]
+        start = time.monotonic()
+        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            stdout, stderr = proc.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: DDP ranks and compile workers too
+            stdout, stderr = proc.communicate()
+            proc.returncode = None
+        self.longest = max(self.longest, time.monotonic() - start)
+        self.launched += 1
+        if self.logs:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            (self.logs / f"{self.launched:03d}-{Path(script).stem}.log").write_text(f"{argv}\n{stdout}\n{stderr}")
+        records = [json.loads(line[len(RECORD) :]) for line in stdout.splitlines() if line.startswith(RECORD)]
+        if records:
+            return records[-1]
+        if proc.returncode is None:
+            return {"error": f"killed: ran past the time budget ({left:.0f} s)"}
+        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        return {"error": f"process died (exit code {proc.returncode}): {tail}"[:300]}
+
+    def write(self, record: dict) -> dict:
+        row = {**{field: record.get(field) for field in self.fields}, **self.env}
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        with self.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        shown = {k: v for k, v in row.items() if k not in ENV and v is not None}
+        print(json.dumps(shown), flush=True)
+        return row
+
+
+def serve(measure: Callable[[dict], dict], spec: str) -> int:
+    """The child's side: run ``measure(spec)`` and print its record (rank 0 only, under DDP)."""
+    torch.set_float32_matmul_precision("high")  # TF32 on, as a GPU user would have it
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # no variant drops to eager
+    try:
+        record = measure(json.loads(spec))
+    except Exception as err:  # building the model, say: still a record
+        record = {"error": describe(err)}
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(RECORD + json.dumps(record), flush=True)
+    return 0
+
+
+class StepClock(pl.Callback):
+    """Times every training batch from its start to the next one's start, with one clock for every variant.
+
+    :class:`~lightning_fuse.timing.StepTimer` marks each start with a CUDA event (read once, after the fit: no
+    per-step sync), or ``time.perf_counter`` on CPU. The first ``warmup`` batches are untimed; ``setup_s`` runs
+    from ``started`` to the start of the first timed batch (synchronised). List the clock first among the
+    callbacks, so that the other callbacks' per-step work falls inside the steps. The loss of the last
+    :data:`LOSS_WINDOW` steps is kept (copied: a CUDA graph would overwrite it).
+    """
+
+    def __init__(self, warmup: int, started: float) -> None:
+        self.warmup, self.started = warmup, started
+        self.batches = 0
+        self.setup_s: float | None = None
+        self.times: dict[str, list[float]] = {}
+        self.losses: deque[torch.Tensor] = deque(maxlen=LOSS_WINDOW)
+        self.timer: StepTimer | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.timer = StepTimer(pl_module.device)
+        self.timer.reserve(max(trainer.max_steps, 1) * trainer.accumulate_grad_batches)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self.batches == self.warmup:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize()  # the setup ends when the warmup's work is done, not when it is queued
+            self.setup_s = time.perf_counter() - self.started
+        self.timer.start()
+        self.timer.stop(str(trainer.current_epoch) if self.batches >= self.warmup else SKIPPED)
+        self.batches += 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:  # fmt: skip
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and trainer.max_steps - trainer.global_step <= LOSS_WINDOW:
+            self.losses.append(loss.detach() * trainer.accumulate_grad_batches)  # Lightning divided it; a copy
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.times = self.timer.collect()
+
+    def result(self) -> dict[str, Any]:
+        steps = [ms for epoch in sorted(self.times, key=int) for ms in self.times[epoch]]
+        losses = [float(loss) for loss in self.losses]
+        return {"step_ms": statistics.median(steps) if steps else None, "steps": self.batches,
+                "timed_steps": len(steps), "setup_s": self.setup_s,
+                "final_loss": statistics.mean(losses) if losses else None,
+                "epoch_ms": {int(epoch): ms for epoch, ms in self.times.items()}}  # fmt: skip
+
+
+def fit(task: pl.LightningModule, loader: Any, *, steps: int, warmup: int, callbacks: Sequence[pl.Callback] = (),
+        started: float | None = None, **trainer_kw: Any) -> dict[str, Any]:  # fmt: skip
+    """Train ``task`` for ``steps`` optimizer steps under a :class:`StepClock`; an exception becomes ``error``.
+
+    The Trainer runs ``precision="bf16-mixed"`` on CUDA (``32-true`` elsewhere), no logger, checkpoints,
+    progress bar or validation; ``trainer_kw`` overrides any of that. ``peak_gb`` is CUDA's peak allocation
+    over the fit; ``wall_s`` the fit's duration.
+    """
+    cuda = torch.cuda.is_available() and trainer_kw.get("accelerator", "auto") != "cpu"
+    clock = StepClock(warmup, started if started is not None else time.perf_counter())
+    options = {"accelerator": "auto", "devices": 1, "precision": "bf16-mixed" if cuda else "32-true",
+               "max_steps": steps, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+               "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0}  # fmt: skip
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    start, error = time.perf_counter(), None
+    try:
+        pl.Trainer(**{**options, **trainer_kw}, callbacks=[clock, *callbacks]).fit(task, loader)
+    except Exception as err:
+        error = describe(err)
+    wall_s = time.perf_counter() - start
+    peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    return {**clock.result(), "wall_s": wall_s, "peak_gb": peak_gb, "error": error}
+
+
+def table(paths: Sequence[Path]) -> str:
+    """One Markdown table per file: the newest record of each key, then the machines and commands below it."""
+    parts = []
+    for path in paths:
+        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        keys = [key for key in KEYS if any(key in r for r in records)]
+        newest: dict[tuple, dict] = {}
+        for record in records:  # later lines of one run replace earlier ones too
+            key = tuple(record.get(k) for k in keys)
+            if key not in newest or record.get("run_started", "") >= newest[key].get("run_started", ""):
+                newest[key] = record
+        columns = [c for c in dict.fromkeys(c for r in records for c in r) if c not in ENV]
+        rows = sorted(newest.values(), key=lambda r: tuple(str(r.get(k)) for k in keys))
+        lines = [f"### {Path(path).name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
+        runs = sorted({(r.get("run_started"), r.get("device"), r.get("torch"), r.get("command")) for r in rows})
+        lines += [""] + [f"- {when}, {device}, torch {version}: `{command}`" for when, device, version, command in runs]
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if abs(value) >= 0.1 else f"{value:.3g}"
+    return str(value).replace("|", "/")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="Render benchmark results (JSON lines) as Markdown tables.")
+    p.add_argument("command", choices=["table"])
+    p.add_argument("paths", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    print(table(args.paths), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

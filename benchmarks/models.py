@@ -1,0 +1,290 @@
+"""The models and variants every benchmark shares: ``MODELS[name] = (source, build, small batch, large batch)``.
+
+Each model is built from a config with random weights (nothing is downloaded), wrapped in :class:`Task` (the
+network as ``self.model``, AdamW, fused on CUDA) with random batches that move to the device once, at fit start.
+``smoke=True`` builds a tiny version on small inputs. To list the models with their parameters:
+
+    python benchmarks/models.py
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import harness
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_fuse import FuseCallback
+from recipes.models import GPT, resnet18_cifar
+
+VARIANTS = ("eager", "compile", "reduce_overhead", "regional", "fuse")
+DISTINCT_BATCHES = 4
+"""Random batches per fit, cycled: enough that no step reuses the last one's inputs."""
+
+
+class Batches(Dataset):
+    """``length`` ready batches cycling over a few random ones; :meth:`to` moves them all to a device."""
+
+    def __init__(self, batches: list[Any], length: int) -> None:
+        self.batches, self.length = batches, length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> Any:
+        return self.batches[index % len(self.batches)]
+
+    def to(self, device: torch.device) -> None:
+        move = partial(torch.utils._pytree.tree_map, lambda t: t.to(device) if isinstance(t, Tensor) else t)
+        self.batches = [move(batch) for batch in self.batches]
+
+
+class Task(pl.LightningModule):
+    """The LightningModule of every benchmark: ``loss_fn(self.model, batch)``, AdamW (fused on CUDA).
+
+    Args:
+        net: The network, kept as ``self.model``.
+        loss_fn: ``(model, batch) -> loss``.
+        data: The batches; moved to the device at fit start, so no step copies its inputs.
+        lr: AdamW's learning rate.
+        scheduler: Step a warmup-then-cosine ``LambdaLR`` every step.
+    """
+
+    def __init__(self, net: nn.Module, loss_fn: Callable, data: Batches, lr: float = 3e-4, scheduler: bool = False):
+        super().__init__()
+        self.model, self.loss_fn, self.data, self.lr, self.scheduler = net, loss_fn, data, lr, scheduler
+
+    def on_fit_start(self) -> None:
+        self.data.to(self.device)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self.loss_fn(self.model, batch)
+
+    def configure_optimizers(self) -> Any:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=self.lr, fused=self.device.type == "cuda")
+        if not self.scheduler:
+            return optimizer
+        total = max(self.trainer.max_steps, 1)
+        factor = partial(_warmup_cosine, warmup=min(20, total // 10 + 1), total=total)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _warmup_cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+
+def hf_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    return model(**batch).loss  # a transformers ModelOutput
+
+
+def classify(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    return F.cross_entropy(model(batch[0]), batch[1])
+
+
+def next_token(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+    tokens, targets = batch  # (B, T) each
+    return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+
+
+def token_batches(batch: int, seq: int, vocab: int, target_len: int | None = None, classes: int = 0) -> list[dict]:
+    """Causal-LM batches (labels = inputs), seq2seq ones (``target_len``) or classification ones (``classes``)."""
+    out = []
+    for _ in range(DISTINCT_BATCHES):
+        ids = torch.randint(0, vocab, (batch, seq))
+        labels = torch.randint(0, classes, (batch,)) if classes else ids
+        if target_len:
+            labels = torch.randint(0, vocab, (batch, target_len))
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+    return out
+
+
+def image_batches(batch: int, side: int, classes: int, as_dict: bool = False) -> list[Any]:
+    out = []
+    for _ in range(DISTINCT_BATCHES):
+        x, y = torch.randn(batch, 3, side, side), torch.randint(0, classes, (batch,))
+        out.append({"pixel_values": x, "labels": y} if as_dict else (x, y))
+    return out
+
+
+def _hf(config_name: str, model_name: str, full: dict, tiny: dict, smoke: bool) -> nn.Module:
+    import transformers
+
+    config = getattr(transformers, config_name)(**(tiny if smoke else full))
+    return getattr(transformers, model_name)(config)
+
+
+TINY_TEXT = {"vocab_size": 128, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+
+
+def gpt2(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    tiny = dict(n_layer=2, n_embd=32, n_head=2, n_positions=32, **TINY_TEXT)
+    net = _hf("GPT2Config", "GPT2LMHeadModel", {}, tiny, smoke)  # GPT-2 small, 124M
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
+def llama(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    full = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)  # fmt: skip
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64, **TINY_TEXT)  # fmt: skip
+    net = _hf("LlamaConfig", "LlamaForCausalLM", full, tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
+def bert(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, **TINY_TEXT)
+    net = _hf("BertConfig", "BertForSequenceClassification", {}, tiny, smoke)  # BERT-base, 2 labels
+    return net, hf_loss, token_batches(batch, 16 if smoke else 128, net.config.vocab_size, classes=2)
+
+
+def t5(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    full = dict(d_model=512, d_ff=2048, num_layers=6, num_heads=8, d_kv=64, decoder_start_token_id=0)  # t5-small
+    tiny = dict(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, decoder_start_token_id=0, **TINY_TEXT)
+    net = _hf("T5Config", "T5ForConditionalGeneration", full, tiny, smoke)
+    seq = 16 if smoke else 256
+    return net, hf_loss, token_batches(batch, seq, net.config.vocab_size, target_len=seq // 4)
+
+
+def vit(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+                patch_size=8, num_labels=10)  # fmt: skip
+    net = _hf("ViTConfig", "ViTForImageClassification", dict(num_labels=1000), tiny, smoke)
+    return net, hf_loss, image_batches(batch, net.config.image_size, net.config.num_labels, as_dict=True)
+
+
+def torchvision_model(name: str, batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    classes = 10 if smoke else 1000
+    net = getattr(torchvision.models, name)(num_classes=classes)
+    return net, classify, image_batches(batch, 32 if smoke else 224, classes)
+
+
+def recipe_gpt(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    size = dict(vocab_size=256, max_seq_len=16, n_layer=2, d_model=32, n_head=4) if smoke else {}  # else GPT-8L
+    net = GPT(**size)
+    batches = token_batches(batch, net.max_seq_len, net.vocab_size)
+    return net, next_token, [(b["input_ids"], b["input_ids"].roll(-1, 1)) for b in batches]  # targets: next token
+
+
+def recipe_resnet18(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    return resnet18_cifar(), classify, image_batches(batch, 32, 10)
+
+
+MODELS: dict[str, tuple[str, Callable, int, int]] = {
+    "gpt2": ("transformers", gpt2, 8, 32),
+    "llama": ("transformers", llama, 8, 32),
+    "bert": ("transformers", bert, 32, 128),
+    "t5": ("transformers", t5, 16, 64),
+    "vit": ("transformers", vit, 32, 128),
+    "resnet50": ("torchvision", partial(torchvision_model, "resnet50"), 32, 128),
+    "mobilenet_v3_small": ("torchvision", partial(torchvision_model, "mobilenet_v3_small"), 64, 256),
+    "efficientnet_b0": ("torchvision", partial(torchvision_model, "efficientnet_b0"), 32, 128),
+    "convnext_tiny": ("torchvision", partial(torchvision_model, "convnext_tiny"), 32, 128),
+    "gpt": ("recipes", recipe_gpt, 8, 64),
+    "resnet18": ("recipes", recipe_resnet18, 16, 256),
+}
+"""name -> (library, ``build(batch, smoke) -> (net, loss_fn, batches)``, small batch, large batch)."""
+
+
+def batch_size(model: str, which: str, smoke: bool) -> int:
+    """``which`` is ``small``, ``large`` or a number; smoke runs use 2 and 4."""
+    if which.isdigit():
+        return int(which)
+    small, large = (2, 4) if smoke else MODELS[model][2:]
+    return small if which == "small" else large
+
+
+def regimes(args: Any, allowed: Sequence[str] = ()) -> list[tuple[str, int]]:
+    """(model, batch size) of every ``--models`` x ``--batches`` pair."""
+    names = harness.split(args.models, list(allowed or MODELS))
+    return [(model, batch_size(model, which, args.smoke)) for model in names for which in args.batches.split(",")]
+
+
+def build(model: str, batch: int, smoke: bool, length: int, scheduler: bool = False,
+          seed: int = 0) -> tuple[Task, DataLoader]:  # fmt: skip
+    """The model's :class:`Task` and a loader of ``length`` batches (one epoch), from ``seed``."""
+    pl.seed_everything(seed, verbose=False)
+    net, loss_fn, batches = MODELS[model][1](batch, smoke)
+    data = Batches(batches, length)
+    return Task(net, loss_fn, data, scheduler=scheduler), DataLoader(data, batch_size=None)
+
+
+def repeated_blocks(net: nn.Module) -> list[nn.Module]:
+    """The children of every ``ModuleList``/``Sequential`` whose children share one class (as accelerate's
+    ``compile_regions``); the whole network where there are none."""
+    blocks: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        children = list(module.children())
+        repeated = len(children) > 1 and len({type(child) for child in children}) == 1
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and repeated:
+            blocks.extend(children)
+            return
+        for child in children:
+            visit(child)
+
+    visit(net)
+    return blocks or [net]
+
+
+class MarkStep(pl.Callback):
+    """``reduce-overhead`` needs each step's start marked, or its CUDA graphs take the last step's outputs as live."""
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None = None, **fuse_kw: Any) -> list:
+    """Make ``task`` the ``variant``; returns its callbacks. Smoke runs compile with ``aot_eager`` (no inductor).
+
+    ``compile``: ``torch.compile(net)``; ``reduce_overhead``: the same with ``mode="reduce-overhead"``;
+    ``regional``: each repeated block ``.compile()`` in place; ``fuse``: ``FuseCallback(**fuse_kw)``.
+    """
+    backend = "aot_eager" if smoke else "inductor"
+    if variant == "compile":
+        task.model = torch.compile(task.model, backend=backend)
+    elif variant == "reduce_overhead":
+        task.model = torch.compile(task.model, backend=backend, mode=None if smoke else "reduce-overhead")
+        return [MarkStep()]
+    elif variant == "regional":
+        for block in repeated_blocks(task.model):
+            block.compile(backend=backend)
+    elif variant == "fuse":
+        return [FuseCallback(**{"backend": backend, "cache_dir": cache_dir or False, **fuse_kw})]
+    elif variant != "eager":
+        raise ValueError(f"variant={variant!r} is none of {', '.join(VARIANTS)}")
+    return []
+
+
+def fuse_info(callbacks: list) -> dict[str, Any]:
+    """``plan`` and ``recompiles`` of the FuseCallback among ``callbacks`` (``None`` without one)."""
+    fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
+    plan = getattr(fuse, "plan", None)
+    tracker = getattr(fuse, "tracker", None)
+    name = None if plan is None else getattr(plan, "name", None) or plan.describe()
+    return {"plan": name, "recompiles": getattr(tracker, "total_recompiles", None),
+            "history": getattr(fuse, "history", [])}  # fmt: skip
+
+
+def main() -> None:
+    for name, (source, build_net, small, large) in MODELS.items():
+        try:
+            params = sum(p.numel() for p in build_net(small, False)[0].parameters())
+            print(f"{name:20s} {source:13s} {params / 1e6:7.1f}M  batch {small} / {large}")
+        except ImportError as err:
+            print(f"{name:20s} {source:13s} {harness.describe(err)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Is FuseCallback's logged speedup honest, and what does its eager reference cost? Four fits in one process.
+
+For each model, batch and epoch length: an eager-only fit, a ``FuseCallback()`` fit, another eager-only fit and
+a ``FuseCallback(eager_steps=0)`` fit, each of ``--epochs`` epochs from the same seed. ``logged`` is the
+``FuseCallback()`` fit's last epoch's ``speedup`` (``speedup_low``/``speedup_high`` where the callback logs
+them); ``independent`` is the eager-only fits' median step over the ``eager_steps=0`` fit's, in the last epoch,
+with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats.bootstrap``);
+``reference_cost`` is the ``FuseCallback()`` fit's last-epoch training time over the ``eager_steps=0`` fit's,
+minus 1 (what the reference steps cost). On the GPU:
+
+    python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
+    python benchmarks/telemetry.py --smoke --models gpt --batches small --epoch-steps 12   # CPU, the code path
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import harness
+import models
+import numpy as np
+
+FIELDS = ("model", "batch_size", "epoch_steps", "logged", "logged_low", "logged_high", "independent",
+          "independent_low", "independent_high", "reference_cost", "error")  # fmt: skip
+
+
+def interval(eager: list[float], compiled: list[float]) -> tuple[float | None, float | None]:
+    """95% percentile-bootstrap interval of ``median(eager) / median(compiled)`` (``None`` without scipy)."""
+    try:
+        from scipy.stats import bootstrap
+    except ImportError:
+        return None, None
+    if len(eager) < 2 or len(compiled) < 2:
+        return None, None
+
+    def ratio(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:
+        return np.median(a, axis=axis) / np.median(b, axis=axis)
+
+    ci = bootstrap((eager, compiled), ratio, n_resamples=2000, method="percentile", random_state=0).confidence_interval
+    return float(ci.low), float(ci.high)
+
+
+def measure(spec: dict) -> dict:
+    """The four fits, in one process; the last epoch of each counts."""
+    epochs, steps = spec["epochs"], spec["epoch_steps"]
+    fits = {}
+    for name, variant, fuse_kw in (("eager_1", "eager", {}), ("fuse", "fuse", {}), ("eager_2", "eager", {}),
+                                   ("fuse_0", "fuse", {"eager_steps": 0})):  # fmt: skip
+        task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps)
+        callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
+        fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks,
+                                    max_epochs=epochs), **models.fuse_info(callbacks)}  # fmt: skip
+    last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
+    eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
+    history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
+    low, high = interval(eager, compiled)
+    return {
+        "logged": history.get("speedup"), "logged_low": history.get("speedup_low"),
+        "logged_high": history.get("speedup_high"),
+        "independent": statistics.median(eager) / statistics.median(compiled) if eager and compiled else None,
+        "independent_low": low, "independent_high": high,
+        "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
+        "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "telemetry.jsonl", models="gpt,resnet18", batches="small,large")
+    p.add_argument("--epoch-steps", default="50,200,1000", help="steps per epoch, a comma list")
+    p.add_argument("--epochs", type=int, default=2, help="epochs per fit; the last one counts")
+    args = p.parse_args(argv)
+    groups = [[{"model": model, "batch_size": batch, "epoch_steps": int(steps), "epochs": args.epochs,
+                "smoke": args.smoke}] for model, batch in models.regimes(args) for steps in args.epoch_steps.split(",")]
+    return harness.run(args, "telemetry.py", measure, FIELDS, groups)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

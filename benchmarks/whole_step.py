@@ -1,0 +1,92 @@
+"""How close does the step get to its kernels? The step time against the GPU's kernel time, per step.
+
+For the recipe GPT at batch 8, the recipe ResNet-18 at 16 and two zoo models at their small batch, each of
+``reduce_overhead`` and ``fuse`` (``FuseCallback(eager_steps=0)``: every step compiled) trains 200 steps with an
+LR scheduler stepping every step and ``gradient_clip_val=1.0``; then, in the same fit, ``torch.profiler`` records
+5 more steps: ``floor_ms`` is the sum of the CUDA kernels' durations per step, ``busy_frac`` = floor / step.
+An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean).
+On the GPU:
+
+    python benchmarks/whole_step.py --budget-s 540
+    python benchmarks/whole_step.py --smoke --models gpt --variants fuse   # CPU: no kernels, floor null
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import harness
+import lightning.pytorch as pl
+import models
+import torch
+
+FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
+          "error")  # fmt: skip
+VARIANTS = ("reduce_overhead", "fuse")
+PROFILED = 5
+
+
+class KernelWindow(pl.Callback):
+    """Profiles batches ``[start, start + count)``; ``floor_ms`` is their CUDA kernels' time per step."""
+
+    def __init__(self, start: int, count: int) -> None:
+        self.start, self.count, self.batches = start, count, 0
+        self.profiler: torch.profiler.profile | None = None
+        self.floor_ms: float | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self.batches == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # no earlier step's kernels in the window
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+        self.batches += 1
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:  # fmt: skip
+        if self.batches == self.start + self.count:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            kernels = [e for e in self.profiler.events()  # GPU work only, not the GPU ranges of host annotations
+                       if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
+            us = sum(e.time_range.end - e.time_range.start for e in kernels)
+            self.floor_ms = us / 1e3 / self.count if kernels else None
+
+
+def measure(spec: dict) -> dict:
+    """An eager fit, then the variant's fit with the profiled steps after the timed ones (one process)."""
+    steps, warmup = spec["steps"], spec["warmup"]
+    trainer_kw = {"gradient_clip_val": 1.0, "steps": steps + PROFILED, "warmup": warmup}
+    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps + PROFILED, scheduler=True)
+    eager = harness.fit(task, loader, **trainer_kw)
+    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps + PROFILED, scheduler=True)
+    started = time.perf_counter()
+    callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
+    window = KernelWindow(steps, PROFILED)
+    result = harness.fit(task, loader, callbacks=[window, *callbacks], started=started, **trainer_kw)
+    timed = result["epoch_ms"].get(0, [])[: steps - warmup]  # the profiled steps are not timed
+    step_ms = statistics.median(timed) if timed else None
+    busy = window.floor_ms / step_ms if window.floor_ms and step_ms else None
+    return {**result, "step_ms": step_ms, "floor_ms": window.floor_ms, "busy_frac": busy,
+            "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = harness.parser(__doc__, "whole_step.jsonl", models="gpt,resnet18,gpt2,resnet50", batches="small",
+                       variants=VARIANTS, steps=200, warmup=30)  # fmt: skip
+    args = p.parse_args(argv)
+    steps, warmup = (6, 2) if args.smoke else (args.steps, args.warmup)
+    groups = [[{"model": model, "batch_size": batch, "variant": variant, "steps": steps, "warmup": warmup,
+                "smoke": args.smoke} for variant in harness.split(args.variants, VARIANTS)]
+              for model, batch in models.regimes(args)]
+    return harness.run(args, "whole_step.py", measure, FIELDS, groups)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
