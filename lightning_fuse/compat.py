@@ -155,7 +155,7 @@ def _get(path: str) -> Any:
             obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts[:i]))
     except ImportError:
         raise TorchAPIChanged(path, api.why) from None
-    if TORCH_VERSION not in api.tested:
+    if not _tested(TORCH_VERSION, api.tested):
         _warn_once(
             f"version {api.tested}",
             f"lightning_fuse: torch {torch.__version__} is outside the versions its private torch APIs were checked "
@@ -163,6 +163,18 @@ def _get(path: str) -> Any:
             "one is gone (lightning_fuse.compat lists them).",
         )
     return obj
+
+
+_tested_answers: dict[tuple[int, int], bool] = {}
+
+
+def _tested(version: Version, tested: SpecifierSet) -> bool:
+    """``version in tested``, remembered by identity: the check runs at every compiled region's call, and a
+    ``SpecifierSet`` test (or hash) costs microseconds."""
+    key = (id(version), id(tested))
+    if key not in _tested_answers:
+        _tested_answers[key] = version in tested
+    return _tested_answers[key]
 
 
 def _optional(path: str, fallback: Any) -> Any:
