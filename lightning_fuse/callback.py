@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_fuse import compat, gpu
@@ -126,6 +126,7 @@ class FuseCallback(Callback):
         self.history: list[dict[str, Any]] = []
         self.resumed_plan: str | None = None  # the plan of the checkpoint this fit resumed from, if any
         self.fit = FitState()
+        self.verdict: str | None = None  # the last fit's result in one line (on rank zero)
         self._step_context = ExitStack()  # per-step contexts: the eager stance, the FLOP counter
 
     @property
@@ -186,7 +187,7 @@ class FuseCallback(Callback):
         fit.mark_dynamic(self.options.dims, batch, "train", lambda: trainer.train_dataloader)
         if fit.steps == fit.activation_step:
             activate_plan(fit, trainer, pl_module)
-            self._warn_if_resumed_under_another_plan()
+            fit.warn_if_resumed_under_another_plan(self.resumed_plan)
         eager, count_flops = fit.begin_step(batch, self.options.length_fn)
         if eager:
             self._step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
@@ -209,13 +210,6 @@ class FuseCallback(Callback):
             fit.profile.step_end()
         self._end_step_context()
         fit.steps += 1
-
-    def _warn_if_resumed_under_another_plan(self) -> None:
-        if self.resumed_plan is not None and self.resumed_plan != self.fit.plan.describe():
-            rank_zero_warn(
-                f"FuseCallback: the checkpoint's epochs were measured under plan {self.resumed_plan!r}, this run uses "
-                f"{self.fit.plan.describe()!r}; fuse/* from before and after the resume compare different setups."
-            )
 
     def _end_step_context(self) -> None:
         self._step_context.close()
@@ -265,7 +259,7 @@ class FuseCallback(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
-            report(self.fit, trainer, self.history)
+            self.verdict = report(self.fit, trainer, self.history)
         if self.fit.cache is not None and trainer.is_global_zero:
             self.fit.cache.save()
 

@@ -222,17 +222,32 @@ class FitState:
 
     def verdict(self, history: list[dict[str, Any]]) -> str:
         if self.decision is not None and self.decision.winner == "eager" and self.dropped is None:
-            others = ", ".join(f"{t.name} {t.outcome}" for t in self.decision.trials if t.name != "eager")
-            return (f"FuseCallback: kept eager, measured fastest on this {self.setting.device.type.upper()} "
-                    f"({others}); compile {self.tracker.total_s:.1f} s spent finding out")  # fmt: skip
+            return self._eager_verdict()
         last = history[-1] if history else {}
         return verdict_line(self.plan_name(), history, self.tracker.total_s,
                             break_even_step=last.get("fuse/break_even_step"), dropped=self.dropped,
                             device_type=self.setting.device.type if self.setting else "cpu",
                             eager_steps=self.options.eager_steps if self.options else None)  # fmt: skip
 
+    def _eager_verdict(self) -> str:
+        """The search kept eager: say how the best candidate measured against it, and what finding out cost."""
+        eager = self.decision.trials[0].ms
+        timed = [t for t in self.decision.trials[1:] if t.ms is not None]
+        best = min(timed, key=lambda t: t.ms) if timed else None
+        against = f"the best plan, {best.name}, ran at {eager / best.ms:.2f}x of eager" if best and eager else (
+            "every other plan failed")
+        return (f"FuseCallback: 1.00x, kept eager: no plan beat it on this {self.setting.device.type.upper()} "
+                f"({against}); compile {self.tracker.total_s:.0f} s spent finding out")
+
     def _runners(self) -> list:
         return [runner for plan in self.candidates for runner in plan.runners if plan is self.plan]
+
+    def warn_if_resumed_under_another_plan(self, resumed: str | None) -> None:
+        if resumed is not None and resumed != self.plan.describe():
+            rank_zero_warn(
+                f"FuseCallback: the checkpoint's epochs were measured under plan {resumed!r}, this run uses "
+                f"{self.plan.describe()!r}; fuse/* from before and after the resume compare different setups."
+            )
 
     def drop_plan(self, reason: str) -> None:
         """Take the plan off: the rest of the fit trains eagerly, with one warning (on a line of its own) saying why."""
@@ -390,8 +405,9 @@ def end_epoch(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule)
     )  # fmt: skip
 
 
-def report(fit: FitState, trainer: pl.Trainer, history: list[dict[str, Any]]) -> None:
-    """The fit's end: the verdict in one line (terminal and Python logging), the summary (logging, TensorBoard)."""
+def report(fit: FitState, trainer: pl.Trainer, history: list[dict[str, Any]]) -> str:
+    """The fit's end: the verdict in one line (terminal and Python logging), the summary (logging, TensorBoard);
+    returns the verdict."""
     verdict = fit.verdict(history)
     ran = fit.what_ran()
     log.info(summary_table(history, fit.tracker, ran, verdict=verdict))
@@ -403,6 +419,7 @@ def report(fit: FitState, trainer: pl.Trainer, history: list[dict[str, Any]]) ->
             experiment.flush()
     print(f"\n{verdict}", flush=True)  # noqa: T201 - the fit's verdict, on a line of its own on the terminal
     log.info(verdict)
+    return verdict
 
 
 def epoch_extras(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:

@@ -159,6 +159,9 @@ def main(cfg: DictConfig) -> None:
     trainer = train(cfg)
     if trainer.is_global_zero:
         announce_logs(trainer, cfg.paths.output_dir)
+        for verdict in (getattr(callback, "verdict", None) for callback in trainer.callbacks):
+            if verdict:
+                log.info(verdict)  # the run's last line: what FuseCallback gained, and what it cost
 
 
 if __name__ == "__main__":

@@ -175,6 +175,8 @@ def test_auto_mode_keeps_eager_when_the_search_measures_every_plan_slower():
     assert fuse.plan.name == "eager" and fuse.decision.winner == "eager"
     assert {t.outcome for t in fuse.decision.trials[1:]} == {"slower than eager"}
     assert "fuse/speedup" not in fuse.history[0]  # eager against itself is not a speedup
+    assert fuse.verdict.startswith("FuseCallback: 1.00x, kept eager: no plan beat it on this CPU (the best plan, ")
+    assert "x of eager); compile " in fuse.verdict
 
 
 def test_auto_mode_drops_a_cached_plan_that_an_epoch_measures_slower_than_eager(tmp_path):
