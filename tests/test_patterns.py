@@ -23,7 +23,7 @@ from tests.user_models import (
     FrozenBackboneTask,
     GanTask,
     HFTask,
-    MoENet,
+    moe_net,
     UserCompiledTask,
     VariableLengthTask,
     assert_plan_ran,
@@ -31,6 +31,7 @@ from tests.user_models import (
     features,
     fit,
     fuse,
+    fused_and_eager,
     lora_gpt2,
     one_thread,  # noqa: F401 - an autouse fixture: one intra-op thread in this module
     pin_search,
@@ -49,11 +50,7 @@ from tests.user_models import (
 def test_activation_checkpointing_in_user_blocks(monkeypatch, use_reentrant, winner):
     pin_search(monkeypatch, winner)
     make = lambda: ClassifierTask(BlockNet(use_reentrant=use_reentrant))
-    eager = fit(make)
-    cb = fuse()
-    fused = fit(make, [cb])
-    assert_same_training(fused, eager)
-    assert_plan_ran(cb, winner)
+    fused, eager, cb = fused_and_eager(make, winner)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -73,11 +70,7 @@ def test_hf_gradient_checkpointing(monkeypatch, use_reentrant):
 # ---------------------------------------------------------------------------------------------- frozen parameters
 def test_frozen_backbone(monkeypatch):
     pin_search(monkeypatch)
-    eager = fit(FrozenBackboneTask)
-    cb = fuse()
-    fused = fit(FrozenBackboneTask, [cb])
-    assert_plan_ran(cb, "regions")
-    assert_same_training(fused, eager)
+    fused, eager, cb = fused_and_eager(FrozenBackboneTask)
     L.seed_everything(0, verbose=False)  # as fit() does before building the task
     initial = FrozenBackboneTask().state_dict()
     for name, value in fused.task.state_dict().items():
@@ -90,11 +83,7 @@ def test_peft_lora_adapter(monkeypatch):
     pytest.importorskip("peft")
     pin_search(monkeypatch)
     make = lambda: HFTask(lora_gpt2())
-    eager = fit(make)
-    cb = fuse()
-    fused = fit(make, [cb])
-    assert_plan_ran(cb, "regions")
-    assert_same_training(fused, eager)
+    fused, eager, cb = fused_and_eager(make)
     trainable = {n for n, p in fused.task.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
 
@@ -174,7 +163,7 @@ def test_sequence_length_varies_per_batch(monkeypatch):
 
 def test_mixture_of_experts_with_data_dependent_routing(monkeypatch):
     pin_search(monkeypatch)
-    make = lambda: ClassifierTask(MoENet(), dataset=features(tokens=6))
+    make = lambda: ClassifierTask(moe_net(), dataset=features(tokens=6))
     eager = fit(make)
     cb = fuse()
     fused = fit(make, [cb])

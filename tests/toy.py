@@ -19,10 +19,12 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, width: int = 16, depth: int = 3, classes: int = 4) -> None:
+    """An input layer, ``depth`` repeated blocks (``block(width)``), a head."""
+
+    def __init__(self, width: int = 16, depth: int = 3, classes: int = 4, inputs: int = 8, block=Block) -> None:
         super().__init__()
-        self.embed = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.embed = nn.Linear(inputs, width)
+        self.blocks = nn.ModuleList(block(width) for _ in range(depth))
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

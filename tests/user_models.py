@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import lightning_fuse.callback as fuse_callback
 from lightning_fuse import FuseCallback
 from lightning_fuse.search import PlanSearch
+from tests.toy import Net
 
 BATCH = 8
 STEPS = 12  # batches per epoch
@@ -117,6 +118,17 @@ def pin_search(monkeypatch, winner: str = "regions") -> None:
     monkeypatch.setattr(fuse_callback, "SLOWER_THAN_EAGER", 0.0)
 
 
+def fused_and_eager(make_task: Callable[[], pl.LightningModule], winner: str = "regions",
+                    **fit_kwargs) -> tuple[Run, Run, FuseCallback]:  # fmt: skip
+    """Fit ``make_task()`` eagerly and with FuseCallback; check that ``winner`` ran and trained the same."""
+    eager = fit(make_task, **fit_kwargs)
+    cb = fuse()
+    fused = fit(make_task, [cb], **fit_kwargs)
+    assert_plan_ran(cb, winner)
+    assert_same_training(fused, eager)
+    return fused, eager, cb
+
+
 def assert_plan_ran(cb: FuseCallback, winner: str) -> None:
     """The search chose ``winner``, it was kept for the whole fit, and no region fell back."""
     assert cb.decision is not None and cb.decision.winner == winner, cb.decision and cb.decision.lines()
@@ -129,24 +141,11 @@ def assert_plan_ran(cb: FuseCallback, winner: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- plain blocks
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.norm(x))
-
-
-class BlockNet(nn.Module):
+class BlockNet(Net):
     """Embedding, repeated blocks (optionally under activation checkpointing), a head."""
 
     def __init__(self, width: int = 16, depth: int = 3, classes: int = 4, use_reentrant: bool | None = None) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, classes)
+        super().__init__(width, depth, classes)
         self.use_reentrant = use_reentrant  # None: no checkpointing
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,28 +209,14 @@ class UserCompiledTask(ClassifierTask):
 
 
 # ---------------------------------------------------------------------------------------------- a GAN, manual
-class Stack(nn.Module):
-    def __init__(self, inp: int, out: int, width: int = 16) -> None:
-        super().__init__()
-        self.inp = nn.Linear(inp, width)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
-        self.out = nn.Linear(width, out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.out(x)
-
-
 class GanTask(pl.LightningModule):
     """A GAN-style step: manual optimization, two optimizers, ``manual_backward`` twice, noise drawn in the step."""
 
     def __init__(self) -> None:
         super().__init__()
         self.automatic_optimization = False
-        self.generator = Stack(4, 8)
-        self.discriminator = Stack(8, 1, width=16)
+        self.generator = Net(16, depth=2, classes=8, inputs=4)
+        self.discriminator = Net(16, depth=2, classes=1, inputs=8)
         self.discriminator.out = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1))  # the bigger one
         self.dataset = TensorDataset(torch.randn(SAMPLES, 8, generator=torch.Generator().manual_seed(0)) + 2.0)
 
@@ -376,18 +361,8 @@ class MoEBlock(nn.Module):
         return x + out.reshape(x.shape)
 
 
-class MoENet(nn.Module):
-    def __init__(self, width: int = 16, depth: int = 2, classes: int = 4) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, width)
-        self.blocks = nn.ModuleList(MoEBlock(width) for _ in range(depth))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
+def moe_net(width: int = 16, depth: int = 2, classes: int = 4) -> Net:
+    return Net(width, depth, classes, block=MoEBlock)
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
