@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_fuse import compat, gpu
 from lightning_fuse.buckets import PadToBuckets
@@ -251,8 +252,9 @@ class FitState:
 
     def drop_plan(self, reason: str) -> None:
         """Take the plan off: the rest of the fit trains eagerly, with one warning (on a line of its own) saying why."""
+        _new_line()  # the warning on a line of its own, not in the middle of the progress bar's
         rank_zero_warn(
-            f"\nFuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit trains eagerly: {reason}."
+            f"FuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit trains eagerly: {reason}."
         )
         self.uninstall_plan()
         self.plan, self.dropped = Plan(), f"{reason} (step {self.steps})"
@@ -395,7 +397,8 @@ def end_epoch(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule)
     """The epoch's scalars (and its plan's name), from all of its steps' times and the reference pool."""
     times = fit.timer.collect(include_skipped=True)  # all of the epoch's steps: the reference's cost is a share
     fit.pool.add(times.get(EAGER, []), trainer.current_epoch)  # an epoch without reference steps reuses the pool
-    timing = summarize(times, reference=fit.pool.samples)
+    compiled = fit.plan is not None and bool(fit.plan.modules())  # eager against eager is no speedup
+    timing = summarize(times, reference=fit.pool.samples if compiled else [])
     fit.compiled_ms = timing.step_ms or fit.compiled_ms
     return epoch_metrics(
         timing, fit.nominal_batch, fit.tracker.total_s, fit.tracker.total_recompiles,
@@ -463,6 +466,11 @@ def _profiles(steps: int, device: torch.device) -> dict[str, ProfileWindow]:
         rank_zero_info("FuseCallback: `profile_steps` counts GPU kernels and needs a CUDA device; skipped.")
         return {}
     return {COMPILED: ProfileWindow(steps), EAGER: ProfileWindow(steps)}
+
+
+@rank_zero_only
+def _new_line() -> None:
+    sys.stderr.write("\n")
 
 
 def _is_sharded(trainer: pl.Trainer) -> bool:

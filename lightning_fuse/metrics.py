@@ -175,10 +175,12 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
 
 
-def _dropped_line(plan: str, history: Sequence[Row], device_type: str) -> str:
-    """The verdict when a plan was dropped for measuring slower than eager: its epochs are those of another plan."""
+def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: str, cost: str) -> str:
+    """The verdict when a plan was dropped (measured slower than eager, or failed): its epochs are another plan's."""
     gone = [(index, row) for index, row in enumerate(history) if row.get(PLAN_KEY, plan) != plan]
     label = str(gone[-1][1][PLAN_KEY]) if gone else "the plan"
+    if "raised" in reason:  # compiled code failed mid-fit: the guard redid that step eagerly
+        return f"FuseCallback: {label} was dropped, {reason}; the rest trained eagerly, no step lost; {cost}"
     rows = [row for _, row in gone if row.get(PLAN_KEY) == label]
     point, low, high = pooled_speedup(rows)
     text, low_text, high_text = _numbers(point, low, high) if point is not None else ("?", None, None)
@@ -187,7 +189,7 @@ def _dropped_line(plan: str, history: Sequence[Row], device_type: str) -> str:
     epoch = int(last.get("epoch", index)) if gone else "?"
     device = _DEVICE_WORDS.get(device_type, device_type)
     return f"FuseCallback: no gain on this {device} ({figure}) with {label}; dropped after epoch {epoch}, " \
-           "the rest trained eagerly"  # fmt: skip
+           f"the rest trained eagerly; {cost}"  # fmt: skip
 
 
 def verdict_line(
@@ -221,10 +223,10 @@ def verdict_line(
         >>> verdict_line("regions", [], compile_s=4.0, eager_steps=0)
         'FuseCallback: ran regions; speedup not measured (eager_steps=0); compile 4.0 s'
     """
-    if dropped is not None:
-        return _dropped_line(plan, history, device_type)
-    point, low, high = pooled_speedup([row for row in history if row.get(PLAN_KEY, plan) == plan])
     cost = f"compile {_seconds(compile_s)}"
+    if dropped is not None:
+        return _dropped_line(plan, history, device_type, dropped, cost)
+    point, low, high = pooled_speedup([row for row in history if row.get(PLAN_KEY, plan) == plan])
     if point is None:
         why = "eager_steps=0" if eager_steps == 0 else "no eager reference step was timed"
         return f"FuseCallback: ran {plan}; speedup not measured ({why}); {cost}"

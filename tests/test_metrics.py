@@ -93,7 +93,10 @@ def test_the_verdict_of_a_dropped_plan_names_the_epoch_it_went_after():
     history = [history_row(0, "regions", 0.88, 0.85, 0.91), {"epoch": 1, "plan": "eager", "fuse/speedup": 1.0}]
     line = verdict_line("eager", history, compile_s=20.0, dropped="it measured 0.88x of eager", device_type="cpu")
     assert line == ("FuseCallback: no gain on this CPU (0.88x, 0.85-0.91) with regions; dropped after epoch 0, "
-                    "the rest trained eagerly")
+                    "the rest trained eagerly; compile 20 s")
+    failed = verdict_line("eager", history, compile_s=20.0, dropped="backward raised AssertionError: boom (step 7)")
+    assert failed == ("FuseCallback: regions was dropped, backward raised AssertionError: boom (step 7); the rest "
+                      "trained eagerly, no step lost; compile 20 s")
     with pytest.raises(TypeError):  # everything after compile_s is a keyword: no silent mix-up of positions
         verdict_line("eager", history, 20.0, "it measured 0.88x of eager")
 

@@ -1,5 +1,4 @@
 import pytest
-import torch
 from torch import nn
 
 from lightning_fuse.regions import find_repeated_blocks, format_plan, resolve_regions
