@@ -146,15 +146,22 @@ def check_private_apis() -> None:
 
 
 def _get(path: str) -> Any:
-    """The object at ``path``, importing submodules on the way; :class:`TorchAPIChanged` if torch lacks it."""
+    """The object at ``path``, importing submodules on the way; :class:`TorchAPIChanged` if torch lacks it.
+
+    Looked up anew at every call (a per-step hot path: plain attribute reads, an import only for a submodule not
+    imported yet), so a torch that moves or deletes the attribute is caught whenever it happens.
+    """
     api = PRIVATE_APIS[path]
     parts = path.split(".")
-    try:
-        obj = importlib.import_module(parts[0])
-        for i, part in enumerate(parts[1:], start=2):
-            obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(".".join(parts[:i]))
-    except ImportError:
-        raise TorchAPIChanged(path, api.why) from None
+    obj: Any = torch
+    for i, part in enumerate(parts[1:], start=2):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            try:
+                obj = importlib.import_module(".".join(parts[:i]))
+            except ImportError:
+                raise TorchAPIChanged(path, api.why) from None
     if not _tested(TORCH_VERSION, api.tested):
         _warn_once(
             f"version {api.tested}",
