@@ -188,6 +188,8 @@ class FuseCallback(Callback):
         if fit.steps == fit.activation_step:
             activate_plan(fit, trainer, pl_module)
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
+            fit.timer.interrupt()  # the search is not training time: the reference's budget is a share of that
+            fit.timer.start()
         eager, count_flops = fit.begin_step(batch, self.options.length_fn)
         if eager:
             self._step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
