@@ -31,7 +31,7 @@ from __future__ import annotations
 import gc
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -310,8 +310,9 @@ def restored_on_failure(module: nn.Module) -> Iterator[None]:
     except BaseException:
         gc.collect()  # the failed graph and its private memory pool
         if torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # a capture that failed on the device says so here, not in the next step
-            torch.cuda.empty_cache()
+            with suppress(RuntimeError):  # the failed capture's own error, raised again here: already reported
+                torch.cuda.synchronize()  # a capture that failed on the device says so here, not in the next step
+                torch.cuda.empty_cache()
         snapshot.restore_rng()  # also ends a generator's capture state left behind by the failed capture
         snapshot.restore_grads()
         torch.clear_autocast_cache()
