@@ -41,6 +41,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any, Union
 
+from lightning_fuse.metrics import format_speedup
+
 PREFIX = "fuse/"
 INSTALL_HINT = 'pip install "lightning-fuse[report]"'
 Cell = Union[str, int, float, None]
@@ -380,34 +382,12 @@ def summarise(run: Run) -> dict[str, Cell]:
         "status": status.label,
         "epochs": str(epochs) if len(pooled) in (0, epochs) else f"{len(pooled)}/{epochs}",
         "speedup": speedup,
-        "speedup_text": None if speedup is None else format_speedup(speedup, low, high),
+        "speedup_text": None if speedup is None else format_speedup(speedup, low, high, words=False),
         "step_ms": _median(run, "step_ms", pooled),
         "gpu_util": _median(run, "gpu_util", pooled),
         "mfu_pct": None if mfu is None else 100 * mfu,
         "compile_s": max(compile_s) if compile_s else None,
     }
-
-
-def format_speedup(value: float, low: float | None = None, high: float | None = None) -> str:
-    """``1.30x``, or with an interval ``3.4x (3.2-3.6)``: the callback's own format where it has one.
-
-    Example::
-
-        >>> format_speedup(1.3), format_speedup(2.2), format_speedup(3.42, 3.21, 3.58)
-        ('1.30x', '2.2x', '3.4x (3.2-3.6)')
-    """
-    try:
-        from lightning_fuse.metrics import format_speedup as callbacks_format
-
-        return callbacks_format(value, low, high, words=False)
-    except (ImportError, TypeError):  # an older or newer metrics module: the same shape, written here
-        pass
-    decimals = 1 if abs(value) >= 2 else 2  # as the callback's: 1 decimal from 2x up, more where bounds would merge
-    if low is None or high is None:
-        return f"{value:.{decimals}f}x"
-    while decimals < 3 and low != high and f"{low:.{decimals}f}" == f"{high:.{decimals}f}":
-        decimals += 1
-    return f"{value:.{decimals}f}x ({low:.{decimals}f}-{high:.{decimals}f})"
 
 
 def _median(run: Run, metric: str, epochs: Sequence[int]) -> float | None:
