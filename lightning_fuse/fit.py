@@ -68,6 +68,8 @@ class FitState:
     timer: StepTimer | None = None
     schedule: EagerSchedule = field(default_factory=lambda: EagerSchedule(0))
     activation_step: int = 0
+    warmup: int = 1
+    """Steps of the plan kept out of the timing after it is installed (3 where a candidate captures graphs)."""
     steps: int = 0
     nominal_batch: int = 0
     step_kind: str = SKIPPED
@@ -112,6 +114,8 @@ class FitState:
         fit.schedule = EagerSchedule(options.eager_steps, reference_budget=options.reference_budget,
                                      profiled=options.profile_steps if fit.profiles else 0)  # fmt: skip
         fit.activation_step = max(fit.schedule.start_length, 1 if fit.searching else 0)
+        graphs = any(plan.name.endswith("graph") or plan.name == "reduce-overhead" for plan in fit.candidates)
+        fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
         fit.cache_at_start = cache_counters()
         fit.saved_recompile_limit = compat.dynamo_recompile_limit()
         # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
@@ -145,14 +149,12 @@ class FitState:
         return f"plan forced by explicit settings: {self.candidates[0].describe()}"
 
     def plan_epoch(self, steps: int) -> None:
-        settle = self.activation_step - self.schedule.start_length + self.warmup_steps()
+        settle = self.activation_step - self.schedule.start_length + self.warmup
         self.schedule.plan_epoch(self.steps, steps, settle, eager_ms=self.pool.median(), compiled_ms=self.compiled_ms)
 
-    def warmup_steps(self) -> int:
-        if self.options.warmup_steps is not None:
-            return self.options.warmup_steps
-        graphs = any(plan.name.endswith("graph") or plan.name == "reduce-overhead" for plan in self.candidates)
-        return 3 if graphs else 1
+    def runs_compiled(self) -> bool:
+        """Whether the plan in force runs anything but the plain eager network."""
+        return self.plan is not None and bool(self.plan.modules())
 
     def begin_step(self, batch: Any, length_fn: Callable[[Any], Any] | None) -> tuple[bool, bool]:
         """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped); returns whether it
@@ -184,7 +186,7 @@ class FitState:
             timed = self.schedule.is_timed(self.steps)
             profile = self.profiles[EAGER] if self.profiles and self.schedule.is_profiled(self.steps) else None
         else:
-            timed = self.steps >= self.activation_step + self.warmup_steps()
+            timed = self.steps >= self.activation_step + self.warmup
             window = self.profiles.get(COMPILED)
             profile = window if timed and window is not None and not window.done else None
         if profile is not None:
@@ -212,13 +214,12 @@ class FitState:
         parts = [self.plan.describe() if self.plan is not None else "eager (no plan was installed)"]
         if self.dropped:
             parts.append(f"plan dropped: {self.dropped}")
-        for plan in self.candidates:
-            graph = getattr(plan, "graph", None)
-            if plan is self.plan and graph is not None:
-                parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
-                             else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip
-        self.fallbacks.update({r.name: r.fallback_reason for r in self._runners() if r.fallback_reason})
-        parts += [f"region {name}: fell back ({why})" for name, why in self.fallbacks.items()]
+        graph = getattr(self.plan, "graph", None)
+        if graph is not None:
+            parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
+                         else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip
+        fallbacks = {**self.fallbacks, **self._plan_fallbacks()}
+        parts += [f"region {name}: fell back ({why})" for name, why in fallbacks.items()]
         return "; ".join(parts)
 
     def verdict(self, history: list[dict[str, Any]]) -> str:
@@ -240,8 +241,10 @@ class FitState:
         return (f"FuseCallback: 1.00x, kept eager: no plan beat it on this {self.setting.device.type.upper()} "
                 f"({against}); compile {self.tracker.total_s:.0f} s spent finding out")
 
-    def _runners(self) -> list:
-        return [runner for plan in self.candidates for runner in plan.runners if plan is self.plan]
+    def _plan_fallbacks(self) -> dict[str, str]:
+        """The plan's regions that fell back to eager, with why."""
+        runners = self.plan.runners if self.plan is not None else []
+        return {runner.name: runner.fallback_reason for runner in runners if runner.fallback_reason}
 
     def warn_if_resumed_under_another_plan(self, resumed: str | None) -> None:
         if resumed is not None and resumed != self.plan.describe():
@@ -261,7 +264,7 @@ class FitState:
 
     def uninstall_plan(self) -> None:
         if self.plan is not None:
-            self.what_ran()  # keeps the fallback reasons
+            self.fallbacks.update(self._plan_fallbacks())  # kept: the summary names them after the plan is gone
             self.plan.uninstall()
 
     def close(self) -> None:
@@ -397,8 +400,8 @@ def end_epoch(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule)
     """The epoch's scalars (and its plan's name), from all of its steps' times and the reference pool."""
     times = fit.timer.collect(include_skipped=True)  # all of the epoch's steps: the reference's cost is a share
     fit.pool.add(times.get(EAGER, []), trainer.current_epoch)  # an epoch without reference steps reuses the pool
-    compiled = fit.plan is not None and bool(fit.plan.modules())  # eager against eager is no speedup
-    timing = summarize(times, reference=fit.pool.samples if compiled else [])
+    # eager against eager is no speedup
+    timing = summarize(times, reference=fit.pool.samples if fit.runs_compiled() else [])
     fit.compiled_ms = timing.step_ms or fit.compiled_ms
     return epoch_metrics(
         timing, fit.nominal_batch, fit.tracker.total_s, fit.tracker.total_recompiles,
@@ -439,7 +442,7 @@ def epoch_extras(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModu
     if fit.buckets is not None:
         extra["pad_waste"] = fit.buckets.waste
     extra.update(cache_hits=hits, cache_misses=misses, graph_breaks=fit.tracker.total_graph_breaks,
-                 compiled=float(fit.plan is not None and bool(fit.plan.modules())),
+                 compiled=float(fit.runs_compiled()),
                  plan_dropped=float(fit.dropped is not None),
                  graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip
     return extra

@@ -39,12 +39,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_fuse import compat
-from lightning_fuse.compiler import describe_error, forced_eager
+from lightning_fuse.compiler import PLAIN, describe_error, forced_eager
 from lightning_fuse.regions import has_params, is_metric
 from lightning_fuse.state import Snapshot
 
-PLAIN = (bool, int, float, str, type(None))
-"""Non-tensor leaves a replay can hand back as they were at capture time."""
 
 
 class Uncapturable(Exception):
@@ -108,7 +106,10 @@ class FlatCall(nn.Module):
         self._out_leaves: list[tuple[bool, Any]] = []  # (is a tensor, the plain value)
 
     def tensors(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
-        leaves, _ = compat.tree_flatten((args, kwargs))
+        return self.pick(compat.tree_leaves((args, kwargs)))
+
+    def pick(self, leaves: list[Any]) -> tuple[torch.Tensor, ...]:
+        """The graph's inputs among a call's flattened leaves."""
         return tuple(leaves[i] for i in self._in_slots)
 
     def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -140,7 +141,10 @@ def call_signature(args: tuple, kwargs: dict) -> tuple:
         >>> call_signature((torch.ones(2),), {"flag": True}) == call_signature((torch.zeros(2),), {"flag": True})
         True
     """
-    leaves, spec = compat.tree_flatten((args, kwargs))
+    return _signature(*compat.tree_flatten((args, kwargs)))
+
+
+def _signature(leaves: list[Any], spec: Any) -> tuple:
     return (spec, tuple(_leaf_key(leaf) for leaf in leaves))
 
 
@@ -226,17 +230,18 @@ class GraphedModule:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.captured_during_last_call = False
-        if self._capturing or not self._eligible(args, kwargs):
+        leaves, spec = compat.tree_flatten((args, kwargs))  # once per call: this is every training step's path
+        if self._capturing or not self._eligible(leaves):
             return self.run_inner(*args, **kwargs)
-        signature = call_signature(args, kwargs)
+        signature = _signature(leaves, spec)
         if signature not in self._graphs and self.capture_allowed and len(self._graphs) < self.max_graphs:
-            self._capture(signature, args, kwargs)
+            self._capture(signature, leaves, args, kwargs)
             self.captured_during_last_call = signature in self._graphs
         if signature not in self._graphs:
             return self.run_inner(*args, **kwargs)
         flat, graphed = self._graphs[signature]
         try:
-            out = flat.rebuild(graphed(*flat.tensors(args, kwargs)))
+            out = flat.rebuild(graphed(*flat.pick(leaves)))
         except Exception as err:  # noqa: BLE001 - a replay that fails costs the graph, never the run
             self.disable(f"its replay failed ({describe_error(err)})")
             return self.run_inner(*args, **kwargs)
@@ -247,15 +252,15 @@ class GraphedModule:
         """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""
         return (self._inner or compat.plain_call(self.module))(*args, **kwargs)
 
-    def _eligible(self, args: tuple, kwargs: dict) -> bool:
+    def _eligible(self, leaves: list[Any]) -> bool:
         if self.disabled_reason is not None or not self.module.training or not torch.is_grad_enabled():
             return False
-        tensors = [leaf for leaf in compat.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return bool(tensors) and not forced_eager() and all(self._on_device(t) for t in tensors)
 
-    def _capture(self, signature: tuple, args: tuple, kwargs: dict) -> None:
+    def _capture(self, signature: tuple, leaves: list[Any], args: tuple, kwargs: dict) -> None:
         flat = FlatCall(self.module, self.run_inner, args, kwargs)
-        tensors = flat.tensors(args, kwargs)
+        tensors = flat.pick(leaves)
         self._capturing = True  # the capture calls the module: those calls must reach the inner module
         try:
             with restored_on_failure(self.module):
