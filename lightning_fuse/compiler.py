@@ -31,6 +31,8 @@ from lightning_fuse import compat
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
 
+PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
+"""Values that carry no state: a call's leaves of these types (beside tensors) can be kept, compared and replayed."""
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 LIMIT_ACTIONS = ("eager", "dynamic")
 
@@ -280,8 +282,7 @@ def _changes_in_training(module: nn.Module) -> bool:
 
 def _pure_inputs(args: tuple, kwargs: dict) -> bool:
     """Whether every input is a tensor or a plain value, so that calling twice computes the same thing twice."""
-    plain = (torch.Tensor, bool, int, float, str, type(None), torch.dtype, torch.device)
-    return all(isinstance(leaf, plain) for leaf in compat.tree_leaves((args, kwargs)))
+    return all(isinstance(leaf, (torch.Tensor, *PLAIN)) for leaf in compat.tree_leaves((args, kwargs)))
 
 
 def _compare(out: Any, reference: Any) -> str | None:

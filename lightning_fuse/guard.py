@@ -56,17 +56,23 @@ class BackwardGuard:
         self.armed = False  # a plan runs in this step: its backward is guarded
         self.redone_steps = 0
         self._module: LightningModule | None = None
+        self._original: Any = None
+        self._prior: Any = None
         self._step: tuple[Any, int] | None = None
 
     def install(self, module: LightningModule) -> None:
         # An instance attribute over LightningModule.backward, the public hook Lightning's precision plugins call
         # for every backward (manual_backward too); removed at teardown, so the class is never touched.
-        self._module = module
+        self._module, self._original = module, module.backward
+        self._prior = vars(module).get("backward")  # the user's own instance attribute, if any, comes back
         module.backward = self._backward
 
     def uninstall(self) -> None:
         if self._module is not None and vars(self._module).get("backward") == self._backward:
-            del self._module.backward
+            if self._prior is None:
+                del self._module.backward
+            else:
+                self._module.backward = self._prior
         self._module, self._step, self.armed = None, None, False
 
     def arm(self, batch: Any, batch_idx: int, armed: bool) -> None:
@@ -74,12 +80,11 @@ class BackwardGuard:
         self._step, self.armed = (batch, batch_idx), armed
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        original = type(self._module).backward.__get__(self._module)
-        if not self.armed:
-            return original(loss, *args, **kwargs)
         try:
-            return original(loss, *args, **kwargs)
+            return self._original(loss, *args, **kwargs)
         except Exception as err:  # noqa: BLE001 - compiled code failed in backward: the plan goes, the run stays
+            if not self.armed:
+                raise
             reason = describe_error(err)
         self.armed = False
         self.on_failure(f"backward raised {reason}")
@@ -88,7 +93,7 @@ class BackwardGuard:
             rank_zero_warn("FuseCallback: with manual optimization this step's gradients were dropped; it is skipped.")
             return None
         self.redone_steps += 1
-        return original(self.scale(self._redo_loss()), *args, **kwargs)
+        return self._original(self.scale(self._redo_loss()), *args, **kwargs)
 
     def _redo_loss(self) -> torch.Tensor:
         batch, batch_idx = self._step

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_fuse import compat
-from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, compile_regions, uncompile_regions
+from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
 from lightning_fuse.graphs import GraphedModule
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker
@@ -133,8 +133,7 @@ class Regions(Plan):
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
             options = replace(options, dynamic=False)
-        self._runners = compile_regions(setting.regions, options, setting.tracker, setting.policy)
-        uncompile_regions(self._runners)  # built now, installed by install()
+        self._runners = [CompiledRegion(region, options, setting.tracker, setting.policy) for region in setting.regions]
         name, module = setting.target
         self.graph = GraphedModule(name, module, compiles=lambda: setting.tracker.total_compiles,
                                    max_graphs=setting.max_graphs) if graph else None  # fmt: skip

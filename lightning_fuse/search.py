@@ -155,9 +155,6 @@ class PlanSearch:
             trial.outcome = "chosen" if trial is winner else f"slower than {winner.name}"
         return Decision(winner.name, trials)
 
-    def plan(self, name: str) -> Plan:
-        return next(plan for plan in self.candidates if plan.name == name)
-
     def _skip_reason(self, plan: Plan, trials: list[Trial]) -> str | None:
         baseline = trials[0].ms if trials else None
         for trial in trials:
@@ -171,7 +168,7 @@ class PlanSearch:
         try:
             plan.step_begin()
             call()
-            failure = plan.failure or self._check(plan)
+            failure = plan.failure or self._check()
             for _ in range(WARM_CALLS - 1):
                 plan.step_begin()
                 call()
@@ -194,7 +191,7 @@ class PlanSearch:
             times.append((self._clock() - start) * 1e3)
         return statistics.median(times)
 
-    def _check(self, plan: Plan) -> str | None:
+    def _check(self) -> str | None:
         """Whether the first call's loss and gradient norm match eager's (the first candidate's)."""
         if self._reference is None:
             return None
