@@ -25,6 +25,7 @@ from lightning_fuse.compat import backend_names, inductor_option_type, inductor_
 from lightning_fuse.compiler import LIMIT_ACTIONS, MODES
 from lightning_fuse.regions import Target, normalize_targets
 from lightning_fuse.shapes import DimSpec, DynamicDims
+from lightning_fuse.timing import check_reference_budget
 
 AUTO = "auto"
 
@@ -91,13 +92,9 @@ class FuseOptions:
             raise TypeError(
                 f"`reference_budget` must be a fraction of the training time, got {self.reference_budget!r}."
             )
+        check_reference_budget(self.reference_budget)
         if self.pad_buckets is not None:
             PadToBuckets(self.pad_buckets)  # raises here, at construction, for bad sizes
-        if not 0 < self.reference_budget <= 0.5:
-            raise ValueError(
-                f"`reference_budget` must be in (0, 0.5], e.g. 0.02 for 2% of the training time, got "
-                f"{self.reference_budget}. Use eager_steps=0 to turn the eager reference off."
-            )
         _int_at_least("profile_steps", self.profile_steps, 0)
         if self.warmup_steps is not None:
             _int_at_least("warmup_steps", self.warmup_steps, 0)

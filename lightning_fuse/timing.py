@@ -139,6 +139,20 @@ REFERENCE_BUDGET = 0.02
 """Default share of the fit's training time that the eager reference (timed steps and lead-ins) may take."""
 
 
+def check_reference_budget(budget: float) -> None:
+    """Raise ``ValueError`` unless ``budget`` is a share of the training time in (0, 0.5].
+
+    Example::
+
+        >>> check_reference_budget(0.02)
+    """
+    if not 0 < budget <= 0.5:
+        raise ValueError(
+            f"`reference_budget` must be in (0, 0.5], e.g. 0.02 for 2% of the training time, got {budget}. Use "
+            "eager_steps=0 to turn the eager reference off."
+        )
+
+
 def reference_step_cost(eager_ms: float, compiled_ms: float, budget: float) -> float:
     """Milliseconds of credit one reference step uses: its eager time, less the budget's share of that time.
 
@@ -259,11 +273,8 @@ class EagerSchedule:
     ) -> None:  # fmt: skip
         if eager_steps < 0:
             raise ValueError(f"`eager_steps` must be >= 0 (0 turns the reference off), got {eager_steps}.")
-        if reference_budget is not None and not 0 < reference_budget <= 0.5:
-            raise ValueError(
-                f"`reference_budget` must be in (0, 0.5], e.g. 0.02 for 2% of the training time, got "
-                f"{reference_budget}. Use eager_steps=0 to turn the eager reference off."
-            )
+        if reference_budget is not None:
+            check_reference_budget(reference_budget)
         self.eager_steps = eager_steps
         self.reference_budget = reference_budget
         self.warmup = warmup if eager_steps else 0
