@@ -234,7 +234,9 @@ class StepClock(pl.Callback):
     def result(self) -> dict[str, Any]:
         steps = [ms for epoch in sorted(self.times, key=int) for ms in self.times[epoch]]
         losses = [float(loss) for loss in self.losses]
+        quartiles = statistics.quantiles(steps, n=4) if len(steps) > 1 else [None, None, None]
         return {"step_ms": statistics.median(steps) if steps else None, "steps": self.batches,
+                "step_ms_q1": quartiles[0], "step_ms_q3": quartiles[2],
                 "timed_steps": len(steps), "setup_s": self.setup_s,
                 "final_loss": statistics.mean(losses) if losses else None,
                 "epoch_ms": {int(epoch): ms for epoch, ms in self.times.items()}}  # fmt: skip

@@ -98,15 +98,21 @@ def next_token(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
     return F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
 
 
-def token_batches(batch: int, seq: int, vocab: int, target_len: int | None = None, classes: int = 0) -> list[dict]:
-    """Causal-LM batches (labels = inputs), seq2seq ones (``target_len``) or classification ones (``classes``)."""
+def token_batches(batch: int, seq: int, vocab: int, target_len: int | None = None, classes: int = 0,
+                  padded: bool = False) -> list[dict]:  # fmt: skip
+    """Causal-LM batches (labels = inputs), seq2seq ones (``target_len``) or classification ones (``classes``);
+    ``padded``: each row's text is 1/2 to all of ``seq`` long, the rest masked out (padding to the longest)."""
     out = []
     for _ in range(DISTINCT_BATCHES):
         ids = torch.randint(0, vocab, (batch, seq))
+        mask = torch.ones_like(ids)
+        if padded:
+            lengths = torch.randint(seq // 2, seq + 1, (batch, 1))
+            mask = (torch.arange(seq) < lengths).long()
         labels = torch.randint(0, classes, (batch,)) if classes else ids
         if target_len:
             labels = torch.randint(0, vocab, (batch, target_len))
-        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
     return out
 
 
@@ -157,6 +163,27 @@ def t5(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     return net, hf_loss, token_batches(batch, seq, net.config.vocab_size, target_len=seq // 4)
 
 
+def deberta(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """DeBERTa-v2 classifier on padded batches: its relative positions build a tensor from Python values in every
+    forward (a host-to-device copy, which no CUDA graph capture survives)."""
+    full = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                vocab_size=32000, relative_attention=True, position_buckets=256, pos_att_type=["p2c", "c2p"],
+                max_position_embeddings=512, num_labels=2)  # deberta-v3-base's shape, a smaller vocab
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"], num_labels=2, **TINY_TEXT)
+    net = _hf("DebertaV2Config", "DebertaV2ForSequenceClassification", full, tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 256, net.config.vocab_size, classes=2, padded=True)
+
+
+def llama_lora(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """The llama causal LM with a peft LoRA adapter (rank 16 on the attention projections), base weights frozen."""
+    import peft
+
+    net, loss, batches = llama(batch, smoke)
+    config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return peft.get_peft_model(net, config), loss, batches
+
+
 def vit(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
                 patch_size=8, num_labels=10)  # fmt: skip
@@ -184,7 +211,9 @@ def recipe_resnet18(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]
 MODELS: dict[str, tuple[str, Callable, int, int]] = {
     "gpt2": ("transformers", gpt2, 8, 32),
     "llama": ("transformers", llama, 8, 32),
+    "llama_lora": ("transformers+peft", llama_lora, 8, 32),
     "bert": ("transformers", bert, 32, 128),
+    "deberta": ("transformers", deberta, 16, 64),
     "t5": ("transformers", t5, 16, 64),
     "vit": ("transformers", vit, 32, 128),
     "resnet50": ("torchvision", partial(torchvision_model, "resnet50"), 32, 128),
@@ -268,13 +297,17 @@ def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None =
 
 
 def fuse_info(callbacks: list) -> dict[str, Any]:
-    """``plan`` and ``recompiles`` of the FuseCallback among ``callbacks`` (``None`` without one)."""
+    """What the FuseCallback among ``callbacks`` did (``None``s without one): ``plan``, ``recompiles``, ``history``,
+    ``ran`` (the summary's line: the plan, its graph captured with its replays or why not, fallbacks) and
+    ``search`` (the decision, one line per candidate)."""
     fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
     plan = getattr(fuse, "plan", None)
     tracker = getattr(fuse, "tracker", None)
+    decision = getattr(fuse, "decision", None)
     name = None if plan is None else getattr(plan, "name", None) or plan.describe()
     return {"plan": name, "recompiles": getattr(tracker, "total_recompiles", None),
-            "history": getattr(fuse, "history", [])}  # fmt: skip
+            "history": getattr(fuse, "history", []), "ran": fuse.fit.what_ran() if fuse is not None else None,
+            "search": decision.lines() if decision is not None else None}  # fmt: skip
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ import time
 import harness
 import models
 
-FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "setup_s_cold", "setup_s_warm", "peak_gb", "plan",
-          "error")  # fmt: skip
+FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "setup_s_cold",
+          "setup_s_warm", "peak_gb", "plan", "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
 
 
 def measure(spec: dict) -> dict:
@@ -31,13 +31,15 @@ def measure(spec: dict) -> dict:
     callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"])
     result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=callbacks,
                          started=started)  # fmt: skip
-    return {**result, **models.fuse_info(callbacks)}
+    info = models.fuse_info(callbacks)
+    in_run = [row["fuse/eager_step_ms"] for row in info["history"] if row.get("fuse/eager_step_ms") is not None]
+    return {**result, **info, "eager_step_ms_in_run": in_run[-1] if in_run else None}
 
 
 def run_variant(runner: harness.Runner, spec: dict, env: dict) -> dict:
     """The cold process (compiling variants only, just past the warmup), then the warm one: one record."""
     cold = {}
-    if spec["variant"] != "eager":
+    if spec["variant"] in spec["cold"]:
         cold = runner.launch("zoo.py", {**spec, "steps": spec["warmup"] + 2}, env)
         if cold.get("error"):
             return cold
@@ -48,10 +50,13 @@ def run_variant(runner: harness.Runner, spec: dict, env: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "zoo.jsonl", models="all", batches="small,large", variants=models.VARIANTS,
                        steps=200, warmup=30)  # fmt: skip
+    p.add_argument("--cold", default=",".join(models.VARIANTS[1:]),
+                   help="variants also run cold (an empty compile cache) for setup_s_cold, a comma list")
     args = p.parse_args(argv)
     steps, warmup = (6, 4) if args.smoke else (args.steps, args.warmup)
+    cold = harness.split(args.cold, models.VARIANTS)
     groups = [[{"model": model, "source": models.MODELS[model][0], "batch_size": batch, "variant": variant,
-                "steps": steps, "warmup": warmup, "smoke": args.smoke}
+                "steps": steps, "warmup": warmup, "smoke": args.smoke, "cold": cold}
                for variant in harness.split(args.variants, models.VARIANTS)] for model, batch in models.regimes(args)]
     return harness.run(args, "zoo.py", measure, FIELDS, groups, run_variant)
 

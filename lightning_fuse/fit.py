@@ -29,6 +29,7 @@ from lightning_fuse.cache import CompileCache, cache_counters, cache_key
 from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_training
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.guard import BackwardGuard
+from lightning_fuse.kv_cache import NoCacheInTraining
 from lightning_fuse.metrics import count_items, epoch_metrics, per_rank, summary_table, verdict_line
 from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, forced_plan, user_compiled
 from lightning_fuse.profiling import ProfileWindow
@@ -92,6 +93,7 @@ class FitState:
     saved_recompile_limit: int | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
     buckets: PadToBuckets | None = None
+    no_cache: NoCacheInTraining | None = None
     _recorder: Any = None
 
     @classmethod
@@ -114,7 +116,7 @@ class FitState:
         fit.schedule = EagerSchedule(options.eager_steps, reference_budget=options.reference_budget,
                                      profiled=options.profile_steps if fit.profiles else 0)  # fmt: skip
         fit.activation_step = max(fit.schedule.start_length, 1 if fit.searching else 0)
-        graphs = any(plan.name.endswith("graph") or plan.name == "reduce-overhead" for plan in fit.candidates)
+        graphs = any(plan.uses_cuda_graphs for plan in fit.candidates)
         fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
         fit.cache_at_start = cache_counters()
         fit.saved_recompile_limit = compat.dynamo_recompile_limit()
@@ -124,6 +126,8 @@ class FitState:
         compat.set_dynamo_recompile_limit(max(fit.saved_recompile_limit,
                                               min(256, (options.recompile_limit + 1) * regions)))  # fmt: skip
         fit.tracker.install()
+        fit.no_cache = NoCacheInTraining(setting.target[1])
+        fit.no_cache.install()
         fit._recorder = setting.target[1].register_forward_pre_hook(fit._record, with_kwargs=True)
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
         fit.guard = BackwardGuard(fit.drop_plan, trainer.precision_plugin.forward_context,
@@ -276,6 +280,8 @@ class FitState:
         if self._recorder is not None:
             self._recorder.remove()
             self._recorder = None
+        if self.no_cache is not None:
+            self.no_cache.uninstall()
         if self.guard is not None:
             self.guard.uninstall()
         if self.sampler is not None:

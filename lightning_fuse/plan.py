@@ -2,7 +2,8 @@
 
 A plan is one of: ``eager``; ``regions`` (the selected submodules compiled in place); ``regions+graph`` (those
 regions plus one CUDA graph over the network's forward and backward); ``graph`` (that graph over the eager
-network); ``reduce-overhead`` (the whole network compiled with torch's CUDA graphs); ``compile`` (the whole network
+network); ``reduce-overhead`` (the whole network compiled with torch's CUDA graphs); ``regions+trees`` (the regions
+with torch's CUDA graphs each, tried where the graph over the network failed); ``compile`` (the whole network
 compiled, no graph). :func:`candidates` lists, most promising first, those that make sense for the device and the
 number of processes; :func:`forced_plan` builds the one an explicit ``mode``/``cuda_graph``/``targets`` asks for.
 Which candidate runs is measured (:mod:`lightning_fuse.search`).
@@ -73,6 +74,10 @@ class Plan:
     """Plans that do all this one does and more: once one of them ran faster than eager, this one is not tried."""
     owned = True
     """False for code FuseCallback did not install (the user's own compile): never dropped nor guarded."""
+    tried_after: str | None = None
+    """A fallback: this plan is tried only where the plan of this name failed."""
+    uses_cuda_graphs = False
+    """Whether the plan replays CUDA graphs (its first steps capture them, so they are kept out of the timing)."""
 
     def install(self) -> None:
         """Put the plan on the model."""
@@ -130,6 +135,7 @@ class Regions(Plan):
         self.setting = setting
         self.name = "regions+graph" if graph else "regions"
         self.dominated_by = () if graph else ("regions+graph",)
+        self.uses_cuda_graphs = graph or setting.options.mode in GRAPHING_MODES
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
             options = replace(options, dynamic=False)
@@ -149,6 +155,11 @@ class Regions(Plan):
         if self.graph is not None:
             self.graph.uninstall()
         uncompile_regions(self._runners)
+
+    def step_begin(self) -> None:
+        if self.setting.options.mode in GRAPHING_MODES:
+            # cudagraph trees: a new training iteration begins, so last step's graph outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
 
     def release(self) -> None:
         if self.graph is not None:
@@ -210,10 +221,29 @@ class Whole(Regions):
         self.name = mode if mode in GRAPHING_MODES else "compile"
         self.dominated_by = ("reduce-overhead", "regions") if self.name == "compile" else ()
 
-    def step_begin(self) -> None:
-        if self.mode in GRAPHING_MODES:
-            # cudagraph trees: a new training iteration begins, so last step's graph outputs may be overwritten
-            torch.compiler.cudagraph_mark_step_begin()
+
+class RegionTrees(Regions):
+    """The regions under ``mode="reduce-overhead"``: torch's CUDA graphs per region, forward and backward
+    (cudagraph trees), with the eager glue between them. The fallback where one graph over the whole network
+    cannot be captured (a host sync outside the regions, checkpointing's recomputation): the regions' launches are
+    still replayed, what syncs runs eagerly between them.
+
+    Example::
+
+        >>> from lightning_fuse.regions import Region
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
+        >>> plan = RegionTrees(Setting([Region("0", net[0])], ("net", net), CompileOptions(), torch.device("cuda")))
+        >>> plan.name, plan.tried_after, plan.uses_cuda_graphs
+        ('regions+trees', 'regions+graph', True)
+    """
+
+    tried_after = "regions+graph"
+
+    def __init__(self, setting: Setting) -> None:
+        options = replace(setting.options, mode="reduce-overhead", options=None)
+        super().__init__(replace(setting, options=options), graph=False)
+        self.name = "regions+trees"
+        self.dominated_by = ()
 
 
 class UserCompiled(Plan):
@@ -254,6 +284,8 @@ def candidates(setting: Setting) -> list[Plan]:
     whole_is_regions = [r.module for r in setting.regions] == [setting.target[1]]
     if graphs:
         plans += [Regions(setting, graph=True), Whole(setting, "reduce-overhead"), Graph(setting)]
+        if setting.regions and not whole_is_regions:
+            plans.append(RegionTrees(setting))
     if setting.regions:
         plans.append(Regions(setting, graph=False))
     if not whole_is_regions:

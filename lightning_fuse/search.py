@@ -156,6 +156,10 @@ class PlanSearch:
         return Decision(winner.name, trials)
 
     def _skip_reason(self, plan: Plan, trials: list[Trial]) -> str | None:
+        if plan.tried_after is not None and not any(
+            t.name == plan.tried_after and t.outcome.startswith("failed") for t in trials
+        ):
+            return f"a fallback for {plan.tried_after}, which did not fail"
         baseline = trials[0].ms if trials else None
         for trial in trials:
             if trial.name in plan.dominated_by and trial.ms is not None and baseline and trial.ms < baseline:
@@ -228,8 +232,11 @@ def sandbox(module: nn.Module) -> Iterator[None]:
 class TrialCall:
     """One forward and backward of ``module`` on recorded inputs: what :class:`PlanSearch` times.
 
-    The loss is the sum of the means of the output's floating tensor leaves that need gradients: every output is
-    in the backward, whatever the model returns (a ``ModelOutput`` with its own loss, logits, a tuple).
+    The loss is what the training step most likely backpropagates: the output's scalar leaves that need gradients
+    (a ``ModelOutput``'s own loss), or, where there are none, the sum of the means of its floating tensor leaves
+    that need gradients (logits, a tuple), so every output is in the backward. A call does nothing beyond forward
+    and backward: the gradient norm for the check against eager is computed only when :meth:`last` is asked
+    (a norm per parameter is hundreds of kernel launches, which would weigh on every timed call).
 
     Args:
         module: The network.
@@ -257,25 +264,41 @@ class TrialCall:
         self.args, self.kwargs = detached((args, kwargs))
         self._context = context
         self._synchronize = synchronize
-        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._loss = torch.zeros(())
 
     def __call__(self) -> None:
         for param in self.module.parameters():
             param.grad = None
         with self._context() if self._context else _nothing():
             out = self.module(*self.args, **self.kwargs)
-        leaves = [leaf for leaf in compat.tree_leaves(out) if _differentiable(leaf)]
-        loss = sum(leaf.float().mean() for leaf in leaves) if leaves else None
+        loss = trial_loss(out)
         if loss is not None:
             loss.backward()
         self._synchronize()
-        grads = [p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]
-        norm = torch.stack(grads).norm() if grads else torch.zeros(())
-        self._last = (loss.detach() if loss is not None else torch.zeros(()), norm)
+        self._loss = loss.detach() if loss is not None else torch.zeros(())
 
     def last(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last call's loss and gradient norm."""
-        return self._last
+        """The last call's loss and the gradient norm it left."""
+        grads = [p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]
+        return self._loss, torch.stack(grads).norm() if grads else torch.zeros(())
+
+
+def trial_loss(out: Any) -> torch.Tensor | None:
+    """The scalar a trial backpropagates from ``out`` (``None`` when nothing in it needs gradients).
+
+    Example::
+
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> float(trial_loss({"loss": w.sum(), "logits": w * 3}).detach())  # the model's own loss alone
+        2.0
+        >>> float(trial_loss((w * 3, None)).detach())
+        3.0
+    """
+    leaves = [leaf for leaf in compat.tree_leaves(out) if _differentiable(leaf)]
+    scalars = [leaf for leaf in leaves if leaf.dim() == 0]
+    if scalars:
+        return sum(leaf.float() for leaf in scalars)
+    return sum(leaf.float().mean() for leaf in leaves) if leaves else None
 
 
 def detached(tree: Any) -> Any:

@@ -177,3 +177,46 @@ def test_gpt2_with_its_default_kv_cache_trains_with_forced_regions():
     fused = fit(make, [cb])
     assert cb.fallbacks == {}
     assert_same_training(fused, eager)
+
+
+class CacheSpy(Callback):
+    """Records whether each training forward of the network returned a KV cache."""
+
+    def __init__(self) -> None:
+        self.caches: list[bool] = []
+        self.handle = None
+
+    def on_fit_start(self, trainer, pl_module):
+        spy = lambda module, args, out: self.caches.append(getattr(out, "past_key_values", None) is not None)
+        self.handle = pl_module.model.register_forward_hook(spy)
+
+    def on_fit_end(self, trainer, pl_module):
+        self.handle.remove()
+
+
+def test_a_causal_lm_trains_without_its_kv_cache_and_its_config_is_left_as_it_was():
+    spy = CacheSpy()
+    cb = fuse(mode="default")  # the plan is beside the point: every training call passes through the hook
+    run = fit(lambda: HFTask(tiny_gpt2()), [cb, spy])
+    model = run.task.model
+    assert model.config.use_cache is True  # the user's config: never edited
+    assert spy.caches and not any(spy.caches)  # no training call built a cache
+    assert not model._forward_pre_hooks  # the hook is gone after the fit
+    model.train()
+    assert model(input_ids=torch.randint(0, 64, (2, 8))).past_key_values is not None  # the default is back
+    eager = fit(lambda: HFTask(tiny_gpt2()))
+    assert_same_training(run, eager)
+
+
+def test_a_user_passing_use_cache_keeps_it():
+    from lightning_fuse.kv_cache import NoCacheInTraining
+
+    model = tiny_gpt2()
+    no_cache = NoCacheInTraining(model)
+    no_cache.install()
+    try:
+        assert model(input_ids=torch.randint(0, 64, (2, 8)), use_cache=True).past_key_values is not None
+        assert model(input_ids=torch.randint(0, 64, (2, 8))).past_key_values is None
+    finally:
+        no_cache.uninstall()
+    assert not NoCacheInTraining(torch.nn.Linear(2, 2)).applies

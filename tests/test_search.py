@@ -24,9 +24,9 @@ class Clock:
 
 
 class Timed(Plan):
-    def __init__(self, name, ms, clock, fails=None, failure=None, dominated_by=()):
+    def __init__(self, name, ms, clock, fails=None, failure=None, dominated_by=(), tried_after=None):
         self.name, self.ms, self.clock, self.fails, self._failure = name, ms, clock, fails, failure
-        self.dominated_by = dominated_by
+        self.dominated_by, self.tried_after = dominated_by, tried_after
         self.installed = False
 
     def install(self):
@@ -90,6 +90,42 @@ def test_a_candidate_dominated_by_a_faster_one_is_not_compiled():
     decision = run(plans, clock)
     assert decision.trials[2].outcome.startswith("skipped: regions+graph does what it does")
     assert decision.trials[2].ms is None and decision.winner == "regions+graph"
+
+
+@pytest.mark.parametrize("graph_fails", [False, True])
+def test_a_fallback_candidate_is_tried_only_where_the_plan_it_replaces_failed(graph_fails):
+    clock = Clock()
+    plans = [Timed("eager", 10, clock), Timed("regions+graph", 2, clock, fails=graph_fails),
+             Timed("regions+trees", 4, clock, tried_after="regions+graph")]  # fmt: skip
+    decision = run(plans, clock)
+    trees = decision.trials[2]
+    if graph_fails:
+        assert decision.winner == "regions+trees" and trees.ms == pytest.approx(4.0)
+    else:
+        assert trees.ms is None and trees.outcome == "skipped: a fallback for regions+graph, which did not fail"
+        assert decision.winner == "regions+graph"
+
+
+def test_a_trial_backpropagates_the_models_own_loss_and_computes_no_norm_until_asked():
+    class WithLoss(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return {"loss": logits.square().mean(), "logits": logits}
+
+    net = WithLoss()
+    x = torch.randn(5, 4)
+    call = TrialCall(net, (x,), {})
+    with sandbox(net):
+        call()
+        loss, norm = call.last()
+        expected = net(x)["loss"]
+        grads = torch.autograd.grad(expected, list(net.parameters()))
+    assert torch.allclose(loss, expected.detach())  # the logits' mean is not added to the model's own loss
+    assert torch.allclose(norm, torch.stack([g.norm() for g in grads]).norm())
 
 
 def test_a_candidate_failing_on_another_rank_is_dropped_and_rank_zero_times_decide():

@@ -1,0 +1,88 @@
+"""Training calls of an HF causal LM without its KV cache, as TRL and HF's Trainer run them.
+
+A transformers model keeps ``config.use_cache=True`` in training (only gradient checkpointing turns it off), so
+every training forward builds a ``DynamicCache``: a copy of every layer's keys and values that the loss never
+reads, and an object a CUDA graph replay cannot rebuild. :class:`NoCacheInTraining` passes ``use_cache=False`` to
+the network's training calls that do not set it themselves (TRL's ``inputs["use_cache"] = False``). The user's
+config is never edited, so evaluation and generation keep their cache, and nothing needs restoring at teardown.
+
+Example::
+
+    >>> import torch
+    >>> class LM(torch.nn.Module):
+    ...     config = type("Config", (), {"use_cache": True})()
+    ...     def forward(self, x, use_cache=None):
+    ...         return use_cache
+    >>> lm = LM()
+    >>> no_cache = NoCacheInTraining(lm)
+    >>> no_cache.install(); lm(1), lm(1, use_cache=True), lm.eval()(1)
+    (False, True, None)
+    >>> no_cache.uninstall(); lm.train()(1) is None
+    True
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+
+class NoCacheInTraining:
+    """While installed, ``module``'s training calls get ``use_cache=False`` unless they pass ``use_cache`` themselves.
+
+    It applies to a module with a config whose ``use_cache`` is on and whose forward takes ``use_cache`` (by name
+    or through ``**kwargs``, as a peft wrapper's does); to any other module it does nothing.
+
+    Args:
+        module: The network the training step calls.
+
+    Example::
+
+        >>> NoCacheInTraining(torch.nn.Linear(2, 2)).applies
+        False
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.applies = _cache_on(module) and _takes_use_cache(module)
+        self._handle: Any = None
+        self._announced = False
+
+    def install(self) -> None:
+        if self.applies and self._handle is None:
+            # prepended: what the other hooks see (the plan search's recorder) is the call as it runs
+            self._handle = self.module.register_forward_pre_hook(self._no_cache, with_kwargs=True, prepend=True)
+
+    def uninstall(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _no_cache(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not module.training or not torch.is_grad_enabled() or kwargs.get("use_cache") is not None:
+            return None
+        if not self._announced:
+            self._announced = True
+            rank_zero_info(
+                f"FuseCallback: {type(module).__name__} is called with use_cache=False in training (no KV cache: the "
+                "loss does not read it, and a CUDA graph cannot hold it); its config is unchanged. Pass use_cache "
+                "yourself to decide otherwise."
+            )
+        return args, {**kwargs, "use_cache": False}
+
+
+def _cache_on(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return getattr(config, "use_cache", None) is True
+
+
+def _takes_use_cache(module: nn.Module) -> bool:
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C-implemented forward
+        return False
+    return any(p.name == "use_cache" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
