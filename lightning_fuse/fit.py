@@ -35,7 +35,7 @@ from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, forced_
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import resolve_regions
 from lightning_fuse.search import Consensus, Decision, PlanSearch, TrialCall, decision_path, sandbox
-from lightning_fuse.shapes import CompileTracker, DynamicDims, batch_size, can_yield_partial_batch
+from lightning_fuse.shapes import CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, mark_region_inputs
 from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN, SKIPPED, EagerSchedule, ReferencePool, StepTimer, summarize
 
 if TYPE_CHECKING:
@@ -357,6 +357,9 @@ def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
     cuda = fit.setting.device.type == "cuda"
     call = TrialCall(module, args, kwargs, context=trainer.precision_plugin.forward_context,
                      synchronize=torch.cuda.synchronize if cuda else lambda: None)  # fmt: skip
+    # the trial's inputs are detached copies: give them the batch's dynamic dims, or the candidates compile for
+    # other shapes than training then calls them with (one recompile of every candidate, at its first step)
+    mark_region_inputs(compat.tree_leaves((call.args, call.kwargs)), fit.setting.policy.dynamic_sizes)
     consensus = Consensus(lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
                           trainer.strategy.broadcast)  # fmt: skip
     deterministic = not _changes_in_training(module)

@@ -3,8 +3,8 @@
 A plan is one of: ``eager``; ``regions`` (the selected submodules compiled in place); ``regions+graph`` (those
 regions plus one CUDA graph over the network's forward and backward); ``graph`` (that graph over the eager
 network); ``reduce-overhead`` (the whole network compiled with torch's CUDA graphs); ``regions+trees`` (the regions
-with torch's CUDA graphs each, tried where the graph over the network failed); ``compile`` (the whole network
-compiled, no graph). :func:`candidates` lists, most promising first, those that make sense for the device and the
+with torch's CUDA graphs each) and ``compile+graph`` (one graph over the whole network compiled), both tried where
+the graph over the regions failed; ``compile`` (the whole network compiled, no graph). :func:`candidates` lists, most promising first, those that make sense for the device and the
 number of processes; :func:`forced_plan` builds the one an explicit ``mode``/``cuda_graph``/``targets`` asks for.
 Which candidate runs is measured (:mod:`lightning_fuse.search`).
 
@@ -134,7 +134,7 @@ class Regions(Plan):
     def __init__(self, setting: Setting, graph: bool) -> None:
         self.setting = setting
         self.name = "regions+graph" if graph else "regions"
-        self.dominated_by = () if graph else ("regions+graph",)
+        self.dominated_by = () if graph else ("regions+graph", "compile+graph")
         self.uses_cuda_graphs = graph or setting.options.mode in GRAPHING_MODES
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
@@ -199,27 +199,33 @@ class Graph(Regions):
     def __init__(self, setting: Setting) -> None:
         super().__init__(replace(setting, regions=[]), graph=True)
         self.name = "graph"
-        self.dominated_by = ("regions+graph",)
+        self.dominated_by = ("regions+graph", "compile+graph")
 
 
 class Whole(Regions):
-    """The whole network compiled as one region: ``mode="reduce-overhead"`` (torch's CUDA graphs) or default.
+    """The whole network compiled as one region: ``mode="reduce-overhead"`` (torch's CUDA graphs) or default, and
+    optionally one CUDA graph over it (``compile+graph``: the fallback where the graph over the compiled regions
+    failed on a host sync in the eager code between them, which the whole network's compile traces away).
 
     Example::
 
         >>> net = torch.nn.Linear(2, 2)
         >>> setting = Setting([], ("net", net), CompileOptions(backend="eager"), torch.device("cpu"))
-        >>> Whole(setting, "reduce-overhead").name, Whole(setting, None).name
-        ('reduce-overhead', 'compile')
+        >>> Whole(setting, "reduce-overhead").name, Whole(setting, None).name, Whole(setting, None, graph=True).name
+        ('reduce-overhead', 'compile', 'compile+graph')
     """
 
-    def __init__(self, setting: Setting, mode: str | None) -> None:
+    def __init__(self, setting: Setting, mode: str | None, graph: bool = False) -> None:
         name, module = setting.target
         options = replace(setting.options, mode=mode, options=None if mode else setting.options.options)
-        super().__init__(replace(setting, regions=[Region(name, module)], options=options), graph=False)
+        super().__init__(replace(setting, regions=[Region(name, module)], options=options), graph=graph)
         self.mode = mode
-        self.name = mode if mode in GRAPHING_MODES else "compile"
-        self.dominated_by = ("reduce-overhead", "regions") if self.name == "compile" else ()
+        if graph:
+            self.name, self.tried_after, self.dominated_by = "compile+graph", "regions+graph", ()
+        elif mode in GRAPHING_MODES:
+            self.name, self.dominated_by = mode, ("compile+graph",)
+        else:
+            self.name, self.dominated_by = "compile", ("reduce-overhead", "regions", "compile+graph")
 
 
 class RegionTrees(Regions):
@@ -243,7 +249,7 @@ class RegionTrees(Regions):
         options = replace(setting.options, mode="reduce-overhead", options=None)
         super().__init__(replace(setting, options=options), graph=False)
         self.name = "regions+trees"
-        self.dominated_by = ()
+        self.dominated_by = ("compile+graph",)
 
 
 class UserCompiled(Plan):
@@ -283,7 +289,10 @@ def candidates(setting: Setting) -> list[Plan]:
     graphs = setting.device.type == "cuda" and setting.world_size == 1
     whole_is_regions = [r.module for r in setting.regions] == [setting.target[1]]
     if graphs:
-        plans += [Regions(setting, graph=True), Whole(setting, "reduce-overhead"), Graph(setting)]
+        plans.append(Regions(setting, graph=True))
+        if not whole_is_regions:
+            plans.append(Whole(setting, None, graph=True))
+        plans += [Whole(setting, "reduce-overhead"), Graph(setting)]
         if setting.regions and not whole_is_regions:
             plans.append(RegionTrees(setting))
     if setting.regions:

@@ -109,6 +109,8 @@ def can_yield_partial_batch(loaders: Any) -> bool:
     apply_to_collection(loaders, DataLoader, found.append)
     for loader in found:
         dataset = loader.dataset
+        if loader.batch_size is None and loader.batch_sampler is None:
+            continue  # the dataset yields ready batches: a size change recompiles once, as plain torch.compile does
         if loader.batch_size is None or not hasattr(dataset, "__len__"):
             return True  # a batch sampler or an iterable dataset: assume it can
         if len(dataset) % loader.batch_size and not loader.drop_last:

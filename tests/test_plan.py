@@ -29,7 +29,8 @@ def test_candidates_per_device_and_process_count():
     task = ToyTask()
     assert [p.name for p in candidates(setting_for(task))] == ["eager", "regions", "compile"]
     cuda = [p.name for p in candidates(setting_for(task, CUDA))]
-    assert cuda == ["eager", "regions+graph", "reduce-overhead", "graph", "regions+trees", "regions", "compile"]
+    assert cuda == ["eager", "regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+trees", "regions",
+                    "compile"]
     assert [p.name for p in candidates(setting_for(task, CUDA, world_size=2))] == ["eager", "regions", "compile"]
 
 

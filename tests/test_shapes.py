@@ -135,6 +135,8 @@ def test_auto_policy_reads_the_loader():
     assert not can_yield_partial_batch(DataLoader(data, batch_size=4, drop_last=True))
     assert not can_yield_partial_batch(DataLoader(data, batch_size=5))
     assert can_yield_partial_batch([DataLoader(data, batch_size=5), DataLoader(data, batch_size=3)])
+    ready = [torch.zeros(4, 2), torch.zeros(4, 2)]  # batches made by the dataset: nothing marked in advance
+    assert not can_yield_partial_batch(DataLoader(ready, batch_size=None))
 
 
 class BreakingBlock(nn.Module):
