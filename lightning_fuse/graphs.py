@@ -288,6 +288,35 @@ class GraphedModule:
             raise Uncapturable("its compiled regions compile again at every call, so they cannot be captured")
 
 
+def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None]) -> str | None:
+    """Why ``module`` compiled whole still makes the host wait for the device (``None``: it does not), found with
+    dynamo's tracing alone (the ``eager`` backend: seconds, no inductor compile).
+
+    ``forward_backward()`` runs one training call of the module, without synchronising. It runs twice: the first
+    traces, the second runs with host syncs raising (on CUDA). A sync that dynamo traces away (an HF model's check of
+    its attention mask) passes; one in the eager code between graph breaks (a TorchScript helper) is what would
+    fail a CUDA graph over the compiled network, after the costly compile.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> syncs_when_compiled(lin, lambda: lin(torch.ones(1, 2)).sum().backward()) is None
+        True
+    """
+    on_cuda = any(p.is_cuda for p in module.parameters())
+    installed = compat.compiled_call_impl(module)
+    compat.set_compiled_call_impl(module, torch.compile(compat.plain_call(module), backend="eager"))
+    try:
+        forward_backward()
+        with host_syncs_raise(on_cuda):
+            forward_backward()
+    except RuntimeError as err:
+        return describe_error(err)
+    finally:
+        compat.set_compiled_call_impl(module, installed)
+    return None
+
+
 def _forward_backward(flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:
     outputs = [o for o in flat(*tensors) if o.requires_grad]
     inputs = [i for i in (*tensors, *flat.parameters()) if i.requires_grad]

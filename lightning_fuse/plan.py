@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -27,7 +28,7 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
-from lightning_fuse.graphs import GraphedModule
+from lightning_fuse.graphs import GraphedModule, syncs_when_compiled
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker
 
@@ -87,6 +88,11 @@ class Plan:
 
     def step_begin(self) -> None:
         """Called before every step that runs this plan."""
+
+    def unfit(self, forward_backward: Callable[[], None]) -> str | None:
+        """Why this plan cannot work here, found cheaply before it is compiled (``None``: try it).
+        ``forward_backward()`` is one forward and backward of the network on the search's inputs, unsynchronised."""
+        return None
 
     def release(self) -> None:
         """Free what the plan holds but will not run again (a losing candidate's CUDA graphs and their memory)."""
@@ -226,6 +232,10 @@ class Whole(Regions):
             self.name, self.dominated_by = mode, ("compile+graph",)
         else:
             self.name, self.dominated_by = "compile", ("reduce-overhead", "regions", "compile+graph")
+
+    def unfit(self, forward_backward: Callable[[], None]) -> str | None:
+        sync = syncs_when_compiled(self.setting.target[1], forward_backward) if self.graph is not None else None
+        return f"it syncs with the host even compiled, which no capture survives ({sync})" if sync else None
 
 
 class RegionTrees(Regions):

@@ -148,6 +148,9 @@ class PlanSearch:
         trials: list[Trial] = []
         for plan in self.candidates:
             skip = self._skip_reason(plan, trials)
+            if skip is None and (unfit := self._unfit(plan, call)) is not None:
+                trials.append(Trial(plan.name, outcome=f"failed: {unfit}"))
+                continue
             trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call))
         timed = [t for t in trials if t.ms is not None]
         winner = min(timed, key=lambda t: t.ms) if timed else Trial(self.candidates[0].name)
@@ -165,6 +168,16 @@ class PlanSearch:
             if trial.name in plan.dominated_by and trial.ms is not None and baseline and trial.ms < baseline:
                 return f"{trial.name} does what it does and ran faster than eager"
         return None
+
+    def _unfit(self, plan: Plan, call: Callable[[], None]) -> str | None:
+        """The plan's own cheap check, agreed by every rank (it is unfit where it is on any)."""
+        try:
+            reason = plan.unfit(getattr(call, "forward_backward", call))  # a TrialCall's, without its synchronize
+        except Exception:  # noqa: BLE001 - a check that raises leaves the plan to its trial
+            reason = None
+        if self.consensus.agree(reason is None):
+            return None
+        return reason or "it is unfit on another rank"
 
     def _try(self, plan: Plan, call: Callable[[], None]) -> Trial:
         plan.install()
@@ -267,6 +280,11 @@ class TrialCall:
         self._loss = torch.zeros(())
 
     def __call__(self) -> None:
+        self.forward_backward()
+        self._synchronize()
+
+    def forward_backward(self) -> None:
+        """The call without its synchronize (what a host-sync check runs)."""
         for param in self.module.parameters():
             param.grad = None
         with self._context() if self._context else _nothing():
@@ -274,7 +292,6 @@ class TrialCall:
         loss = trial_loss(out)
         if loss is not None:
             loss.backward()
-        self._synchronize()
         self._loss = loss.detach() if loss is not None else torch.zeros(())
 
     def last(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,6 +106,21 @@ def test_a_fallback_candidate_is_tried_only_where_the_plan_it_replaces_failed(gr
         assert decision.winner == "regions+graph"
 
 
+def test_a_candidate_unfit_by_its_own_cheap_check_is_never_installed():
+    clock = Clock()
+
+    class Unfit(Timed):
+        def unfit(self, forward_backward):
+            forward_backward()  # the check may run the network (uninstalled), but never the plan
+            return "it syncs with the host even compiled"
+
+    unfit = Unfit("compile+graph", 1, clock)
+    decision = run([Timed("eager", 10, clock), unfit, Timed("reduce-overhead", 4, clock)], clock)
+    assert decision.trials[1].outcome == "failed: it syncs with the host even compiled"
+    assert decision.trials[1].ms is None and decision.winner == "reduce-overhead"
+    assert not unfit.installed
+
+
 def test_a_trial_backpropagates_the_models_own_loss_and_computes_no_norm_until_asked():
     class WithLoss(torch.nn.Module):
         def __init__(self):
