@@ -148,9 +148,6 @@ class PlanSearch:
         trials: list[Trial] = []
         for plan in self.candidates:
             skip = self._skip_reason(plan, trials)
-            if skip is None and (unfit := self._unfit(plan, call)) is not None:
-                trials.append(Trial(plan.name, outcome=f"failed: {unfit}"))
-                continue
             trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call))
         timed = [t for t in trials if t.ms is not None]
         winner = min(timed, key=lambda t: t.ms) if timed else Trial(self.candidates[0].name)
@@ -169,17 +166,16 @@ class PlanSearch:
                 return f"{trial.name} does what it does and ran faster than eager"
         return None
 
-    def _unfit(self, plan: Plan, call: Callable[[], None]) -> str | None:
-        """The plan's own cheap check, agreed by every rank (it is unfit where it is on any)."""
-        try:
-            reason = plan.unfit(getattr(call, "forward_backward", call))  # a TrialCall's, without its synchronize
-        except Exception:  # noqa: BLE001 - a check that raises leaves the plan to its trial
-            reason = None
-        if self.consensus.agree(reason is None):
-            return None
-        return reason or "it is unfit on another rank"
-
     def _try(self, plan: Plan, call: Callable[[], None]) -> Trial:
+        failure, ms = _unfit(plan, call), None
+        if failure is None:
+            failure, ms = self._measure(plan, call)
+        if not self.consensus.agree(failure is None):
+            return Trial(plan.name, outcome=f"failed: {failure or 'it failed on another rank'}")
+        return Trial(plan.name, self.consensus.share(ms))
+
+    def _measure(self, plan: Plan, call: Callable[[], None]) -> tuple[str | None, float | None]:
+        """Install the plan, check its first call, time it; its failure (or ``None``) and its median ms."""
         plan.install()
         failure, ms = None, None
         try:
@@ -195,9 +191,7 @@ class PlanSearch:
             failure = describe_error(err)
         finally:
             plan.uninstall()
-        if not self.consensus.agree(failure is None):
-            return Trial(plan.name, outcome=f"failed: {failure or 'it failed on another rank'}")
-        return Trial(plan.name, self.consensus.share(ms))
+        return failure, ms
 
     def _time(self, plan: Plan, call: Callable[[], None]) -> float:
         times = []
@@ -220,6 +214,14 @@ class PlanSearch:
             rtol, atol = TOLERANCES[_effective_dtype(want)]
             if not torch.allclose(got.float(), want.float(), rtol=4 * rtol, atol=4 * atol):
                 return f"its {what} {got.item():.6g} differs from eager's {want.item():.6g}"
+        return None
+
+
+def _unfit(plan: Plan, call: Callable[[], None]) -> str | None:
+    """The plan's own cheap check, before anything is compiled (``None``: measure it)."""
+    try:
+        return plan.unfit(getattr(call, "forward_backward", call))  # a TrialCall's, without its synchronize
+    except Exception:  # noqa: BLE001 - a check that raises leaves the plan to its trial
         return None
 
 
