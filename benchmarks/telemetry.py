@@ -6,7 +6,10 @@ a ``FuseCallback(eager_steps=0)`` fit, each of ``--epochs`` epochs from the same
 them); ``independent`` is the eager-only fits' median step over the ``eager_steps=0`` fit's, in the last epoch,
 with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats.bootstrap``);
 ``reference_cost`` is the ``FuseCallback()`` fit's last-epoch training time over the ``eager_steps=0`` fit's,
-minus 1 (what the reference steps cost). On the GPU:
+minus 1 (what the reference steps cost). ``eager_ratio_in_run`` is the median of the ``FuseCallback()`` fit's
+pooled eager reference steps (the eager side of its last epoch's speedup) over the eager-only fits' median step in
+the last epoch: 1 when the in-run reference runs as fast as plain eager; ``reference_age`` is how many epochs old
+that pool's newest chunk was in the last epoch (``fuse/reference_age``). On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --smoke --models gpt --batches small --epoch-steps 12   # CPU, the code path
@@ -21,8 +24,11 @@ import harness
 import models
 import numpy as np
 
+from lightning_fuse import FuseCallback
+
 FIELDS = ("model", "batch_size", "epoch_steps", "logged", "logged_low", "logged_high", "independent",
-          "independent_low", "independent_high", "reference_cost", "error")  # fmt: skip
+          "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "reference_age",
+          "error")  # fmt: skip
 
 
 def interval(eager: list[float], compiled: list[float]) -> tuple[float | None, float | None]:
@@ -41,6 +47,17 @@ def interval(eager: list[float], compiled: list[float]) -> tuple[float | None, f
     return float(ci.low), float(ci.high)
 
 
+def reference_steps(callbacks: list) -> list[float]:
+    """The FuseCallback's pooled eager reference steps (ms) at the fit's end; ``[]`` without a FuseCallback."""
+    fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
+    return fuse.fit.pool.samples if fuse is not None else []
+
+
+def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float | None:
+    """``median(numerator) / median(denominator)``, or ``None`` when either side has no step."""
+    return statistics.median(numerator) / statistics.median(denominator) if numerator and denominator else None
+
+
 def measure(spec: dict) -> dict:
     """The four fits, in one process; the last epoch of each counts."""
     epochs, steps = spec["epochs"], spec["epoch_steps"]
@@ -50,17 +67,19 @@ def measure(spec: dict) -> dict:
         task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps)
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
         fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks,
-                                    max_epochs=epochs), **models.fuse_info(callbacks)}  # fmt: skip
+                                    max_epochs=epochs), **models.fuse_info(callbacks),
+                      "reference_ms": reference_steps(callbacks)}  # fmt: skip
     last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
     return {
-        "logged": history.get("speedup"), "logged_low": history.get("speedup_low"),
-        "logged_high": history.get("speedup_high"),
-        "independent": statistics.median(eager) / statistics.median(compiled) if eager and compiled else None,
-        "independent_low": low, "independent_high": high,
+        "logged": history.get("fuse/speedup"), "logged_low": history.get("fuse/speedup_low"),
+        "logged_high": history.get("fuse/speedup_high"),
+        "independent": ratio_of_medians(eager, compiled), "independent_low": low, "independent_high": high,
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
+        "eager_ratio_in_run": ratio_of_medians(fits["fuse"]["reference_ms"], eager),
+        "reference_age": history.get("fuse/reference_age"),
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),
     }  # fmt: skip
 

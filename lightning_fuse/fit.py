@@ -79,6 +79,10 @@ class FitState:
     """The last few reference chunks' eager step times: what each epoch's speedup divides."""
     compiled_ms: float | None = None
     """The last epoch's median compiled step, for the reference's budget."""
+    reference_ms: float = 0.0
+    """The eager reference's time so far in the fit (timed steps and lead-ins), for its share in the verdict."""
+    train_ms: float = 0.0
+    """The fit's training time so far, as far as the timer saw it."""
     items: list[Any] = field(default_factory=list)
     partial_possible: dict[str, bool] = field(default_factory=dict)
     recorded: tuple[tuple, dict] | None = None
@@ -233,7 +237,9 @@ class FitState:
         return verdict_line(self.plan_name(), history, self.tracker.total_s,
                             break_even_step=last.get("fuse/break_even_step"), dropped=self.dropped,
                             device_type=self.setting.device.type if self.setting else "cpu",
-                            eager_steps=self.options.eager_steps if self.options else None)  # fmt: skip
+                            eager_steps=self.options.eager_steps if self.options else None,
+                            reference_steps=len(self.pool.samples),
+                            reference_cost=self.reference_ms / self.train_ms if self.train_ms else None)  # fmt: skip
 
     def _eager_verdict(self) -> str:
         """The search kept eager: say how the best candidate measured against it, and what finding out cost."""
@@ -410,8 +416,10 @@ def end_epoch(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule)
     times = fit.timer.collect(include_skipped=True)  # all of the epoch's steps: the reference's cost is a share
     fit.pool.add(times.get(EAGER, []), trainer.current_epoch)  # an epoch without reference steps reuses the pool
     # eager against eager is no speedup
-    timing = summarize(times, reference=fit.pool.samples if fit.runs_compiled() else [])
+    timing = summarize(times, reference=fit.pool.samples if fit.runs_compiled() else [],
+                       reference_age=fit.pool.age(trainer.current_epoch) or 0)  # fmt: skip
     fit.compiled_ms = timing.step_ms or fit.compiled_ms
+    fit.reference_ms, fit.train_ms = fit.reference_ms + timing.reference_ms, fit.train_ms + timing.train_ms
     return epoch_metrics(
         timing, fit.nominal_batch, fit.tracker.total_s, fit.tracker.total_recompiles,
         items_per_batch=float(sum(fit.items)) / len(fit.items) if fit.items else None,  # one sync

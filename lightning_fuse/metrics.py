@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lightning_fuse.shapes import CompileTracker, RegionCompiles, explain_graph_break
-from lightning_fuse.timing import EpochTiming
+from lightning_fuse.timing import REFERENCE_BUDGET, THIN_REFERENCE, EpochTiming
 
 PREFIX = "fuse/"
 PLAN_KEY = "plan"
@@ -45,7 +45,10 @@ def epoch_metrics(
 
     Besides step times, throughput and MFU: ``fuse/speedup`` with ``fuse/speedup_low`` and ``fuse/speedup_high``
     (its interval, when there were at least 2 steps on each side), and ``fuse/reference_cost`` (the eager
-    reference's share of the epoch's training time, when the timer saw that time). With ``plan`` (a short label
+    reference's share of the epoch's training time, when the timer saw that time). Wherever there is an eager
+    reference, ``fuse/reference_age`` says how old it is (:attr:`EpochTiming.reference_age`); ``fuse/eager_step_ms``
+    is logged only at age 0, in an epoch that timed eager steps of its own, so an older epoch's value is never
+    logged as this one's (the speedup still divides the pooled reference). With ``plan`` (a short label
     such as ``"regions + graph"``) the row also has ``"plan"``, a string that :func:`verdict_line` and
     :func:`summary_table` read: pass the row through :func:`scalars` before ``logger.log_metrics``.
     """
@@ -60,7 +63,9 @@ def epoch_metrics(
         if flops_per_batch and peak_flops:
             row["fuse/mfu"] = flops_per_batch / step_s / peak_flops
     if timing.eager_step_ms:
-        row["fuse/eager_step_ms"] = timing.eager_step_ms
+        row["fuse/reference_age"] = float(timing.reference_age)
+        if timing.reference_age == 0:
+            row["fuse/eager_step_ms"] = timing.eager_step_ms
     if timing.speedup is not None:
         row["fuse/speedup"] = timing.speedup  # never clamped: below 1 when the plan is slower than eager
         if timing.speedup_low is not None and timing.speedup_high is not None:
@@ -201,6 +206,8 @@ def verdict_line(
     dropped: str | None = None,
     device_type: str = "cuda",
     eager_steps: int | None = None,
+    reference_steps: int | None = None,
+    reference_cost: float | None = None,
 ) -> str:
     """The run in one line: how much faster, with what, and what it cost.
 
@@ -214,12 +221,19 @@ def verdict_line(
             plan's figures come from the history rows whose ``"plan"`` is not ``plan``.
         device_type: ``torch.device.type`` of the run (``"cuda"``, ``"cpu"``...).
         eager_steps: The ``eager_steps`` setting, to say why nothing was measured.
+        reference_steps: Timed eager steps in the pooled reference at the end; below :data:`THIN_REFERENCE` the
+            line says the reference is thin.
+        reference_cost: The reference's share of the fit's training time; above :data:`REFERENCE_BUDGET` the line
+            names it.
 
     Example::
 
         >>> rows = [{"epoch": 0, "fuse/speedup": 2.41, "fuse/speedup_low": 2.3, "fuse/speedup_high": 2.5}]
         >>> verdict_line("regions + graph", rows, compile_s=31.2, break_even_step=310)
         'FuseCallback: 2.4x faster (2.3-2.5) with regions + graph; compile 31 s, paid back at step 310'
+        >>> thin = verdict_line("regions", rows, compile_s=4.0, reference_steps=5, reference_cost=0.041)
+        >>> thin.split("; ")[2:]
+        ['reference thin: 5 eager steps', 'reference cost 4.1% of training time']
         >>> verdict_line("regions", [], compile_s=4.0, eager_steps=0)
         'FuseCallback: ran regions; speedup not measured (eager_steps=0); compile 4.0 s'
     """
@@ -231,14 +245,25 @@ def verdict_line(
         why = "eager_steps=0" if eager_steps == 0 else "no eager reference step was timed"
         return f"FuseCallback: ran {plan}; speedup not measured ({why}); {cost}"
     text, low_text, high_text = _numbers(point, low, high)
+    notes = _reference_notes(reference_steps, reference_cost)
     if low_text is None:
-        return f"FuseCallback: {text}x of eager with {plan} (too few reference steps for an interval); {cost}"
+        return f"FuseCallback: {text}x of eager with {plan} (too few reference steps for an interval); {cost}{notes}"
     interval = f"({low_text}-{high_text})"
     if low > 1:
         paid = f", paid back at step {break_even_step:.0f}" if _known(break_even_step) else ""
-        return f"FuseCallback: {text}x faster {interval} with {plan}; {cost}{paid}"
+        return f"FuseCallback: {text}x faster {interval} with {plan}; {cost}{paid}{notes}"
     judgement = "slower than eager" if high < 1 else "no clear difference from eager"
-    return f"FuseCallback: {text}x {interval}, {judgement} with {plan}; {cost}"
+    return f"FuseCallback: {text}x {interval}, {judgement} with {plan}; {cost}{notes}"
+
+
+def _reference_notes(steps: int | None, cost: float | None) -> str:
+    """What the verdict adds about the eager reference: that it is thin, that it cost more than its budget."""
+    notes = ""
+    if steps is not None and steps < THIN_REFERENCE:
+        notes += f"; reference thin: {steps} eager step{'' if steps == 1 else 's'}"
+    if cost is not None and cost > REFERENCE_BUDGET:
+        notes += f"; reference cost {cost:.1%} of training time"
+    return notes
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
@@ -287,6 +312,7 @@ def summary_table(
 _EPOCH_COLUMNS: tuple[tuple[str, str, str, float], ...] = (  # (title, key, format, scale)
     ("step ms", "fuse/step_ms", "{:.2f}", 1),
     ("eager ms", "fuse/eager_step_ms", "{:.2f}", 1),
+    ("ref age", "fuse/reference_age", "{:.0f}", 1),
     ("ref %", "fuse/reference_cost", "{:.1f}", 100),
     ("samples/s", "fuse/samples_per_s", "{:.0f}", 1),
     ("compile s", "fuse/compile_s", "{:.1f}", 1),

@@ -137,6 +137,10 @@ UNKNOWN_EPOCH_STEPS = 1000
 """Steps an epoch of unknown length (an iterable dataset) is planned for: its chunks fall within these."""
 REFERENCE_BUDGET = 0.02
 """Default share of the fit's training time that the eager reference (timed steps and lead-ins) may take."""
+THIN_REFERENCE = 2 * CHUNK
+"""A pooled reference of fewer timed eager steps than this is thin: the verdict says so. Two chunks are the least
+that sample two moments of the run; the steps of one chunk are not independent, so one chunk's interval understates
+the drift (a fit too short for its budget gets only the first chunk, :class:`EagerSchedule`)."""
 
 
 def check_reference_budget(budget: float) -> None:
@@ -445,6 +449,8 @@ class ReferencePool:
         >>> pool.add([32.0] * 6, epoch=2)
         >>> len(pool.samples), pool.epochs
         (10, (0, 2))
+        >>> pool.age(epoch=2), pool.age(epoch=5)  # 0: the epoch measured its own; 3: the newest chunk is 3 old
+        (0, 3)
     """
 
     def __init__(self, chunks: int = 4) -> None:
@@ -465,6 +471,11 @@ class ReferencePool:
     def epochs(self) -> tuple[int, int] | None:
         """The first and last epoch the pooled steps come from, or ``None`` when empty."""
         return (self._steps[0][0], self._steps[-1][0]) if self._steps else None
+
+    def age(self, epoch: int) -> int | None:
+        """Epochs from the newest pooled step to ``epoch``: 0 when ``epoch`` timed reference steps of its own,
+        ``None`` when the pool is empty."""
+        return epoch - self._steps[-1][0] if self._steps else None
 
     def median(self) -> float | None:
         """The pooled median (ms), the eager estimate to plan the next epoch with, or ``None`` when empty."""
@@ -491,6 +502,8 @@ class EpochTiming:
         speedup_high: Upper bound of the speedup's interval.
         reference_ms: Time of this epoch's reference steps, timed and lead-in.
         train_ms: This epoch's training time, as far as the timer saw it (0: unknown).
+        reference_age: Epochs since the newest eager step in ``eager_step_ms``: 0 when the epoch timed its own,
+            ``N`` when the eager side is a pool whose newest chunk is ``N`` epochs old (:meth:`ReferencePool.age`).
 
     Example::
 
@@ -506,6 +519,7 @@ class EpochTiming:
     speedup_high: float | None = None
     reference_ms: float = 0.0
     train_ms: float = 0.0
+    reference_age: int = 0
 
     @property
     def speedup(self) -> float | None:
@@ -521,7 +535,8 @@ class EpochTiming:
 
 
 def summarize(
-    times: dict[str, list[float]], reference: Sequence[float] | None = None, confidence: float = 0.95
+    times: dict[str, list[float]], reference: Sequence[float] | None = None, confidence: float = 0.95,
+    reference_age: int = 0,
 ) -> EpochTiming:
     """One epoch's :class:`EpochTiming` from :meth:`StepTimer.collect`'s ``times``.
 
@@ -531,6 +546,7 @@ def summarize(
         reference: The eager sample to compare with, e.g. :attr:`ReferencePool.samples`; ``None``: this epoch's
             own eager steps.
         confidence: Confidence level of the speedup's interval.
+        reference_age: How many epochs old the newest step of ``reference`` is (:meth:`ReferencePool.age`).
 
     Example::
 
@@ -550,4 +566,5 @@ def summarize(
         speedup_high=high,
         reference_ms=sum(times.get(EAGER, [])) + sum(times.get(LEAD_IN, [])),
         train_ms=sum(sum(steps) for steps in times.values()),
+        reference_age=reference_age,
     )

@@ -155,6 +155,8 @@ def test_telemetry_four_fits(tmp_path: Path, in_process) -> None:
     (record,) = _records(out)
     _check([record], telemetry.FIELDS, 1)
     assert record["independent"] > 0 and record["reference_cost"] is not None
+    if record["logged"] is not None:  # the logged history was read: its last epoch says how old its reference is
+        assert record["reference_age"] >= 0 and record["eager_ratio_in_run"] > 0
     if importlib.util.find_spec("scipy"):
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
     low, high = telemetry.interval([10.0, 11.0, 12.0, 10.5], [5.0, 5.5, 5.2, 5.1])

@@ -16,7 +16,7 @@ from lightning_fuse.search import Decision
 from tests.toy import ToyTask, trainer
 
 CPU_TAGS = {
-    "fuse/speedup", "fuse/step_ms", "fuse/eager_step_ms", "fuse/samples_per_s", "fuse/compile_s",
+    "fuse/speedup", "fuse/step_ms", "fuse/reference_age", "fuse/samples_per_s", "fuse/compile_s",
     "fuse/recompiles",
 }
 
@@ -97,11 +97,13 @@ def test_tensorboard_gets_each_cpu_tag_once_per_epoch_and_speedup_is_the_ratio(t
     assert CPU_TAGS <= tags
     for tag in CPU_TAGS:
         assert [e.step for e in events.Scalars(tag)] == [0, 1], tag
+    # epoch 0 times the reference's first chunk; epoch 1 (25 steps: 2% buys no chunk) divides that same chunk
+    assert [e.value for e in events.Scalars("fuse/reference_age")] == [0, 1]
+    (eager,) = events.Scalars("fuse/eager_step_ms")
+    assert eager.step == 0, "epoch 1 timed no eager step: it logs no eager_step_ms of its own"
     for epoch in (0, 1):
-        values = {tag: events.Scalars(tag)[epoch].value for tag in ("fuse/speedup", "fuse/step_ms",
-                                                                     "fuse/eager_step_ms")}
-        assert math.isclose(values["fuse/speedup"], values["fuse/eager_step_ms"] / values["fuse/step_ms"],
-                            rel_tol=1e-5)
+        speedup, step_ms = (events.Scalars(tag)[epoch].value for tag in ("fuse/speedup", "fuse/step_ms"))
+        assert math.isclose(speedup, eager.value / step_ms, rel_tol=1e-5)
     assert "fuse/gpu_util" not in tags and "fuse/mfu" not in tags  # no GPU here: not logged, not zero
     assert "fuse/summary" in "".join(events.Tags()["tensors"])  # the summary table, as TensorBoard text
 
@@ -130,9 +132,27 @@ def test_the_reference_takes_one_early_chunk_then_what_its_budget_allows_and_a_s
     trainer([fuse], max_epochs=2, reload_dataloaders_every_n_epochs=1).fit(ShrinkingData())
     assert [len(epoch.get("eager", [])) for epoch in collected] == [5, 0]  # one chunk first; then 2% of 6 steps: none
     assert [len(epoch.get("lead_in", [])) for epoch in collected] == [1, 0]
-    assert fuse.history[0]["fuse/eager_step_ms"] == pytest.approx(statistics.median(collected[0]["eager"]))
-    assert fuse.history[1]["fuse/eager_step_ms"] == fuse.history[0]["fuse/eager_step_ms"]  # the pool, reused
+    eager_ms = statistics.median(collected[0]["eager"])
+    assert fuse.history[0]["fuse/eager_step_ms"] == pytest.approx(eager_ms)
+    assert fuse.history[1]["fuse/speedup"] == pytest.approx(eager_ms / fuse.history[1]["fuse/step_ms"])  # the pool
     assert fuse.history[1]["fuse/step_ms"] > 0 and 0 < fuse.history[0]["fuse/reference_cost"] < 1
+
+
+def test_epochs_after_the_only_reference_chunk_say_how_old_it_is_and_log_no_eager_time_of_their_own(monkeypatch):
+    collected = collected_step_times(monkeypatch)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
+    fit([fuse], epochs=3, samples=400)  # 25 steps an epoch: the first chunk, then 2% of 25 steps buys none
+    assert [len(epoch.get("eager", [])) for epoch in collected] == [5, 0, 0]
+    assert [row["fuse/reference_age"] for row in fuse.history] == [0, 1, 2]
+    assert ["fuse/eager_step_ms" in row for row in fuse.history] == [True, False, False]
+    eager_ms = statistics.median(collected[0]["eager"])
+    for row in fuse.history:  # every epoch divides the pooled chunk of epoch 0
+        assert row["fuse/speedup"] == pytest.approx(eager_ms / row["fuse/step_ms"])
+    assert fuse.verdict.split("; ")[2] == "reference thin: 5 eager steps"  # one chunk: one moment of the fit
+    spent = sum(sum(epoch.get(kind, [])) for epoch in collected for kind in ("eager", "lead_in"))
+    trained = sum(sum(steps) for epoch in collected for steps in epoch.values())
+    assert fuse.fit.reference_ms == pytest.approx(spent) and fuse.fit.train_ms == pytest.approx(trained)
+    assert ("reference cost" in fuse.verdict) == (spent / trained > 0.02)
 
 
 class ForwardProbe(Callback):

@@ -42,6 +42,18 @@ def test_epoch_metrics_carry_the_interval_the_reference_cost_and_the_plan():
     assert "plan" not in logged and logged["fuse/speedup"] == 2.5 and logged["epoch"] == 0.0
 
 
+def test_an_epoch_without_reference_steps_of_its_own_logs_the_age_of_the_pool_not_its_eager_time():
+    own = epoch_metrics(EpochTiming(10.0, 25.0, 40, 5, reference_age=0), batch_size=8, compile_s=3.0)
+    assert own["fuse/eager_step_ms"] == 25.0 and own["fuse/reference_age"] == 0.0
+    pooled = epoch_metrics(EpochTiming(10.0, 25.0, 40, 5, reference_age=2), batch_size=8, compile_s=3.0)
+    assert "fuse/eager_step_ms" not in pooled, "an older epoch's eager time is not this epoch's"
+    assert pooled["fuse/reference_age"] == 2.0 and pooled["fuse/speedup"] == 2.5  # still against the pool
+    assert pooled["fuse/break_even_step"] == own["fuse/break_even_step"] == 200
+    table = summary_table([{"epoch": 0, **own}, {"epoch": 1, **pooled}], CompileTracker(), "regions")
+    rows = [line.split() for line in table.splitlines() if line[:2] in ("0 ", "1 ")]
+    assert [row[3:5] for row in rows] == [["25.00", "0"], ["-", "2"]]  # after speedup and step ms: eager ms, ref age
+
+
 def test_a_slower_plan_keeps_its_speedup_below_one_with_no_break_even():
     row = epoch_metrics(EpochTiming(12.0, 10.0, 5, 5, 0.78, 0.88), batch_size=8, compile_s=3.0)
     assert row["fuse/speedup"] == pytest.approx(10 / 12) and row["fuse/speedup_high"] == 0.88
@@ -107,6 +119,20 @@ def test_the_verdict_without_a_measurement_says_why():
     assert "no eager reference step was timed" in verdict_line("regions", [], compile_s=1.0, eager_steps=20)
     only_point = verdict_line("regions", [{"fuse/speedup": 1.7}], compile_s=1.0)
     assert only_point.startswith("FuseCallback: 1.70x of eager with regions (too few reference steps")
+
+
+def test_the_verdict_names_a_thin_reference_and_one_that_cost_more_than_its_budget():
+    history = [history_row(0, "regions", 2.4, 2.3, 2.5)]
+    thin = verdict_line("regions", history, compile_s=3.0, reference_steps=5, reference_cost=0.041)
+    assert thin == ("FuseCallback: 2.4x faster (2.3-2.5) with regions; compile 3.0 s; reference thin: 5 eager steps; "
+                    "reference cost 4.1% of training time")
+    enough = verdict_line("regions", history, compile_s=3.0, reference_steps=10, reference_cost=0.02)
+    assert enough == "FuseCallback: 2.4x faster (2.3-2.5) with regions; compile 3.0 s"  # two chunks, on budget
+    no_interval = verdict_line("regions", [{"fuse/speedup": 1.7}], compile_s=1.0, reference_steps=1)
+    assert no_interval.endswith("for an interval); compile 1.0 s; reference thin: 1 eager step")
+    unmeasured = verdict_line("regions", [], compile_s=1.0, reference_steps=0, reference_cost=0.1)
+    assert unmeasured == "FuseCallback: ran regions; speedup not measured (no eager reference step was timed); " \
+        "compile 1.0 s"  # nothing to qualify  # fmt: skip
 
 
 def test_the_verdict_pools_only_the_final_plans_epochs():

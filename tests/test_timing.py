@@ -251,6 +251,24 @@ def test_the_reference_pool_keeps_the_last_chunks_so_the_median_follows_drift():
         ReferencePool(chunks=0)
 
 
+def test_the_pool_says_how_many_epochs_old_its_newest_chunk_is():
+    pool = ReferencePool(chunks=1)
+    assert pool.age(epoch=0) is None  # nothing measured yet: no age
+    pool.add([30.0] * 5, epoch=0)
+    assert [pool.age(epoch) for epoch in (0, 1, 2)] == [0, 1, 2]
+    pool.add([], epoch=1)  # an epoch without reference steps does not make the pool newer
+    assert pool.age(epoch=1) == 1
+    pool.add([31.0] * 2, epoch=3)  # a partial chunk is still this epoch's own
+    assert pool.age(epoch=3) == 0 and pool.age(epoch=4) == 1 and pool.epochs == (0, 3)
+
+
+def test_summarize_carries_the_age_of_the_reference_it_compares_with():
+    times = {COMPILED: [10.0] * 4}  # no eager step of its own: the pool's, two epochs old
+    timing = summarize(times, reference=[30.0] * 5, reference_age=2)
+    assert timing.reference_age == 2 and timing.speedup == pytest.approx(3.0) and timing.reference_ms == 0
+    assert summarize({COMPILED: [10.0], EAGER: [20.0]}).reference_age == 0  # its own eager steps
+
+
 # ------------------------------------------------------------------ timers and summaries
 
 
