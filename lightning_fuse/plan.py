@@ -140,7 +140,7 @@ class Regions(Plan):
     def __init__(self, setting: Setting, graph: bool) -> None:
         self.setting = setting
         self.name = "regions+graph" if graph else "regions"
-        self.dominated_by = () if graph else ("regions+graph", "compile+graph")
+        self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead")
         self.uses_cuda_graphs = graph or setting.options.mode in GRAPHING_MODES
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
@@ -259,7 +259,7 @@ class RegionTrees(Regions):
         options = replace(setting.options, mode="reduce-overhead", options=None)
         super().__init__(replace(setting, options=options), graph=False)
         self.name = "regions+trees"
-        self.dominated_by = ("compile+graph",)
+        self.dominated_by = ("compile+graph", "reduce-overhead")
 
 
 class UserCompiled(Plan):
