@@ -19,20 +19,19 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from lightning_fuse import compat
-from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
+from lightning_fuse.compiler import GRAPHING_MODES, CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
 from lightning_fuse.graphs import GraphedModule
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker
 
 AUTO = "auto"
-GRAPHING_MODES = ("reduce-overhead", "max-autotune")
-"""torch.compile modes that capture torch's own CUDA graphs; a second graph around them cannot be captured."""
 
 
 @dataclass
@@ -73,6 +72,8 @@ class Plan:
     """Plans that do all this one does and more: once one of them ran faster than eager, this one is not tried."""
     owned = True
     """False for code FuseCallback did not install (the user's own compile): never dropped nor guarded."""
+    records_graphs = False
+    """Whether it runs CUDA graphs, which are shape-specific: one graph recorded per input shape."""
 
     def install(self) -> None:
         """Put the plan on the model."""
@@ -130,6 +131,7 @@ class Regions(Plan):
         self.setting = setting
         self.name = "regions+graph" if graph else "regions"
         self.dominated_by = () if graph else ("regions+graph",)
+        self.records_graphs = graph
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
             options = replace(options, dynamic=False)
@@ -208,6 +210,7 @@ class Whole(Regions):
         super().__init__(replace(setting, regions=[Region(name, module)], options=options), graph=False)
         self.mode = mode
         self.name = mode if mode in GRAPHING_MODES else "compile"
+        self.records_graphs = mode in GRAPHING_MODES
         self.dominated_by = ("reduce-overhead", "regions") if self.name == "compile" else ()
 
     def step_begin(self) -> None:
@@ -259,6 +262,21 @@ def candidates(setting: Setting) -> list[Plan]:
     if not whole_is_regions:
         plans.append(Whole(setting, None))
     return plans
+
+
+def for_varying_shapes(plans: Sequence[Plan], buckets: int) -> list[Plan]:
+    """The plans that hold when the network's input shapes vary between steps: none that records CUDA graphs (one
+    per shape, re-recorded at every new length), unless the lengths are padded to ``buckets`` sizes (``0``: none),
+    whose graphs, one per bucket, are capped by :attr:`Setting.max_graphs`.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> plans = candidates(Setting([], ("net", net), CompileOptions(), torch.device("cuda")))
+        >>> [plan.name for plan in for_varying_shapes(plans, buckets=0)]
+        ['eager', 'compile']
+    """
+    return [plan for plan in plans if buckets or not plan.records_graphs]
 
 
 def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:
