@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -29,6 +30,8 @@ from torch.nn import functional
 
 EXACT_PADDING = {"input_ids": 0, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0, "labels": -100}
 """Padding values under which HF models give the same loss: masked tokens, ignored labels."""
+SUGGESTED_BUCKETS = 4
+"""About this many buckets are suggested over the lengths seen (:func:`suggest_buckets`)."""
 
 
 class PadToBuckets:
@@ -94,3 +97,17 @@ class PadToBuckets:
         if len(set(lengths.values())) > 1:
             raise ValueError(f"`pad_buckets`: the batch's keys disagree on the length dim {self.dim}: {lengths}.")
         return next(iter(lengths.values()), None)
+
+
+def suggest_buckets(lengths: Sequence[int]) -> list[int]:
+    """Buckets covering ``lengths``: multiples of a power of two (at least 8) near a quarter of the longest.
+
+    Example::
+
+        >>> suggest_buckets([64, 100, 256])
+        [64, 128, 192, 256]
+        >>> suggest_buckets([5, 16])
+        [8, 16]
+    """
+    step = max(8, 2 ** round(math.log2(max(lengths) / SUGGESTED_BUCKETS)))
+    return list(range(math.ceil(min(lengths) / step) * step, max(lengths) + step, step))

@@ -3,8 +3,9 @@
 The life of a fit: at fit start the regions are resolved and the candidate plans built (:mod:`~lightning_fuse.plan`);
 the first steps run eagerly, untimed, while the network's inputs are recorded; then the plan is chosen by measurement
 on those inputs (:mod:`~lightning_fuse.search`) or forced by explicit settings, and installed. Each step is timed
-(:mod:`~lightning_fuse.timing`), a few run eagerly as the reference, and a backward that raises under the plan drops
-it and redoes the step (:mod:`~lightning_fuse.guard`). Each epoch logs its scalars (:mod:`~lightning_fuse.metrics`);
+(:mod:`~lightning_fuse.timing`), a few run eagerly as the reference, a backward that raises under the plan drops
+it and redoes the step (:mod:`~lightning_fuse.guard`), and a plan slower than eager over a window of steps is
+dropped mid-epoch (:mod:`~lightning_fuse.running_guard`). Each epoch logs its scalars (:mod:`~lightning_fuse.metrics`);
 the fit ends with one verdict line and a summary; at teardown the model is plain eager again.
 
 Example::
@@ -32,6 +33,7 @@ from lightning_fuse.metrics import scalars
 from lightning_fuse.options import FuseOptions
 from lightning_fuse.plan import Plan
 from lightning_fuse.regions import Target, format_plan
+from lightning_fuse.running_guard import window_speedup
 from lightning_fuse.shapes import CompileTracker, DimSpec
 from lightning_fuse.timing import SKIPPED, UNKNOWN_EPOCH_STEPS
 
@@ -39,7 +41,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 SLOWER_THAN_EAGER = 0.9
-"""With mode="auto", a plan whose epoch measures below this speedup is dropped (margin for measurement noise)."""
+"""With mode="auto", a plan whose epoch, or a running guard's window of steps, measures below this speedup is
+dropped (margin for measurement noise)."""
 
 
 class FuseCallback(Callback):
@@ -50,7 +53,10 @@ class FuseCallback(Callback):
     "reduce-overhead")``, compiled regions, the whole network compiled, eager) runs a few forward and backward passes
     on the run's own inputs, and the fastest that works is kept; the decision is stored with the compile cache.
     Explicit ``mode``, ``cuda_graph`` or ``targets`` force a plan. Compiling happens in place (``state_dict`` keys,
-    hooks and classes never change). Every epoch logs ``fuse/speedup`` against eager steps measured in the same run,
+    hooks and classes never change). Where the first steps' input shapes vary, CUDA graph plans are left out
+    (unless ``pad_buckets``) and the varying dims compile as dynamic. With ``mode="auto"`` a plan measured slower
+    than eager over a window of steps (:mod:`~lightning_fuse.running_guard`) or over an epoch is dropped and the
+    fit trains eagerly. Every epoch logs ``fuse/speedup`` against eager steps measured in the same run,
     with its interval, and ``fuse/step_ms`` and friends; the fit ends with one verdict line.
 
     Args:
@@ -212,6 +218,7 @@ class FuseCallback(Callback):
             fit.profile.step_end()
         self._end_step_context()
         fit.steps += 1
+        self._drop_plan_if_slower_over_window(trainer, fit.pace.end())
 
     def _end_step_context(self) -> None:
         self._step_context.close()
@@ -250,12 +257,29 @@ class FuseCallback(Callback):
 
     def _drop_plan_if_slower(self, trainer: pl.Trainer, speedup: float | None) -> None:
         """With ``mode="auto"``, a plan measured slower than eager is dropped; rank zero's measurement decides."""
-        plan = self.fit.plan
-        if self.options.mode != "auto" or plan is None or plan.name == "eager" or not plan.owned:
+        if self._plan_is_judged():
+            self._drop_plan_below_margin(trainer.strategy.broadcast(speedup), f"in epoch {trainer.current_epoch}")
+
+    def _drop_plan_if_slower_over_window(self, trainer: pl.Trainer, plan_ms: list[float] | None) -> None:
+        """The running guard: at each window's end (``plan_ms``, its plan steps), with ``mode="auto"``, a plan whose
+        median step was slower than eager's is dropped mid-epoch; rank zero's measurement decides (one collective
+        per window, on the same step on every rank)."""
+        if plan_ms is None or not self._plan_is_judged():
             return
-        speedup = trainer.strategy.broadcast(speedup)
-        if speedup is not None and speedup < SLOWER_THAN_EAGER:
-            self.fit.drop_plan(f"it measured {speedup:.2f}x of eager in epoch {trainer.current_epoch}")
+        window = self.fit.pace.window
+        speedup = trainer.strategy.broadcast(window_speedup(plan_ms, self.fit.eager_step_ms(), least=window // 2))
+        self._drop_plan_below_margin(speedup, f"over its last {window} steps (median step, compiling and "
+                                              "graph-recording steps included)")  # fmt: skip
+
+    def _plan_is_judged(self) -> bool:
+        """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone
+        dropped its plan, so that the collective deciding it is called on all of them."""
+        plan = self.fit.plan
+        return self.options.mode == "auto" and plan is not None and plan.owned
+
+    def _drop_plan_below_margin(self, speedup: float | None, when: str) -> None:
+        if speedup is not None and speedup < SLOWER_THAN_EAGER and self.fit.plan.name != "eager":
+            self.fit.drop_plan(f"it measured {speedup:.2f}x of eager {when}")
 
     # ------------------------------------------------------------------ fit end
     @override

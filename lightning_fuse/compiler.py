@@ -34,6 +34,8 @@ from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, w
 PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 """Values that carry no state: a call's leaves of these types (beside tensors) can be kept, compared and replayed."""
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+"""torch.compile modes that record torch's own CUDA graphs, one per input shape."""
 LIMIT_ACTIONS = ("eager", "dynamic")
 
 # (rtol, atol) for comparing a compiled region with eager; compilers reorder float math.
@@ -84,6 +86,9 @@ class RegionPolicy:
     on_recompile_limit: str = "eager"
     dynamic_sizes: set[tuple[int, int]] = field(default_factory=set)
     """The batch's ``(dim, size)`` pairs marked dynamic this step; carried onto region inputs."""
+    graph_shapes: int = 1
+    """Input shapes a region in a :data:`GRAPHING_MODES` mode may record graphs for, beyond ``recompile_limit``
+    (one per bucket with ``pad_buckets``); past them it runs eagerly."""
 
 
 class CompiledRegion:
@@ -120,6 +125,7 @@ class CompiledRegion:
         self._made_dynamic = False
         self._recompiles_allowed = policy.recompile_limit
         self._installed = False
+        self._graph_shapes: set[tuple] | None = set() if options.mode in GRAPHING_MODES else None
 
     @property
     def name(self) -> str:
@@ -146,14 +152,30 @@ class CompiledRegion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.region.module
-        if self.fallback_reason is not None:
+        if self.fallback_reason is not None or self._past_graph_shapes(args, kwargs):
             return compat.call_uncompiled(module, *args, **kwargs)
         if self.policy.dynamic_sizes:
-            mark_region_inputs(args, self.policy.dynamic_sizes)
+            mark_region_inputs((*args, *kwargs.values()), self.policy.dynamic_sizes)
         mode = (module.training, torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if self.policy.verify and mode not in self._verified and not forced_eager():
             return self._verified_call(mode, args, kwargs)
         return self._guarded_call(mode, args, kwargs)
+
+    def _past_graph_shapes(self, args: tuple, kwargs: dict) -> bool:
+        """torch's CUDA graphs record a graph per input shape: past the allowed shapes, fall back to eager."""
+        if self._graph_shapes is None or not (self.region.module.training and torch.is_grad_enabled()):
+            return False
+        leaves = compat.tree_leaves((args, kwargs))
+        self._graph_shapes.add(tuple(tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)))
+        allowed = self.policy.graph_shapes + self.policy.recompile_limit
+        if len(self._graph_shapes) <= allowed:
+            return False
+        self.fall_back(
+            f"mode={self.options.mode!r} records one CUDA graph per input shape and it met {len(self._graph_shapes)} "
+            f"shapes (at most {allowed}: `recompile_limit` plus one per bucket). Pad the lengths to a few sizes with "
+            "`pad_buckets`, or use mode='default'"
+        )
+        return True
 
     def _guarded_call(self, mode: ModeKey, args: tuple, kwargs: dict) -> Any:
         module = self.region.module

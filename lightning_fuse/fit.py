@@ -24,18 +24,21 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_fuse import compat, gpu
-from lightning_fuse.buckets import PadToBuckets
+from lightning_fuse.buckets import PadToBuckets, suggest_buckets
 from lightning_fuse.cache import CompileCache, cache_counters, cache_key
+from lightning_fuse.call_shapes import CallShapes
 from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_training
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.guard import BackwardGuard
 from lightning_fuse.kv_cache import NoCacheInTraining
 from lightning_fuse.metrics import count_items, epoch_metrics, per_rank, summary_table, verdict_line
-from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, forced_plan, user_compiled
+from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, for_varying_shapes, forced_plan, user_compiled
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import resolve_regions
+from lightning_fuse.running_guard import PLAN, RunningGuard
 from lightning_fuse.search import Consensus, Decision, PlanSearch, TrialCall, decision_path, sandbox
-from lightning_fuse.shapes import CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, mark_region_inputs
+from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, mark_dims,
+                                   mark_region_inputs)
 from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN, SKIPPED, EagerSchedule, ReferencePool, StepTimer, summarize
 
 if TYPE_CHECKING:
@@ -44,6 +47,9 @@ if TYPE_CHECKING:
     from lightning_fuse.options import FuseOptions
 
 log = logging.getLogger("lightning_fuse")
+
+SHAPE_STEPS = 3
+"""Eager steps, at least, before the plan search: their network inputs tell whether the shapes vary."""
 
 
 @dataclass
@@ -86,6 +92,11 @@ class FitState:
     items: list[Any] = field(default_factory=list)
     partial_possible: dict[str, bool] = field(default_factory=dict)
     recorded: tuple[tuple, dict] | None = None
+    shapes: CallShapes = field(default_factory=CallShapes)
+    """The shapes of the network's training calls before the plan was chosen."""
+    varying_dims: set[int] = field(default_factory=set)
+    """The dims those shapes varied in: marked dynamic on every batch once the plan is chosen."""
+    pace: RunningGuard = field(default_factory=RunningGuard)
     profiles: dict[str, ProfileWindow] = field(default_factory=dict)
     profile: ProfileWindow | None = None
     profile_logged: bool = False
@@ -119,8 +130,8 @@ class FitState:
         fit.profiles = _profiles(options.profile_steps, pl_module.device)
         fit.schedule = EagerSchedule(options.eager_steps, reference_budget=options.reference_budget,
                                      profiled=options.profile_steps if fit.profiles else 0)  # fmt: skip
-        fit.activation_step = max(fit.schedule.start_length, 1 if fit.searching else 0)
-        graphs = any(plan.uses_cuda_graphs for plan in fit.candidates)
+        fit.activation_step = max(fit.schedule.start_length, SHAPE_STEPS if fit.searching else 0)
+        graphs = any(plan.records_graphs for plan in fit.candidates)
         fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
         fit.cache_at_start = cache_counters()
         fit.saved_recompile_limit = compat.dynamo_recompile_limit()
@@ -143,6 +154,7 @@ class FitState:
     def _record(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and torch.is_grad_enabled() and self.plan is None:
             self.recorded = (args, kwargs)
+            self.shapes.add(args, kwargs)
 
     def plan_name(self) -> str:
         return self.plan.name if self.plan is not None else "eager"
@@ -179,6 +191,8 @@ class FitState:
             if self.step_kind != SKIPPED:
                 self.items.append(items)
         self.step_compiles = self.tracker.total_compiles
+        if self.plan is not None:
+            self.pace.begin(PLAN if not eager else self.step_kind)  # the running guard times eager's timed steps
         return eager, eager and self.needs_flops() and not timed and profile is None
 
     def mark_dynamic(self, dims: DynamicDims, batch: Any, stage: str, loaders: Callable[[], Any]) -> None:
@@ -186,7 +200,7 @@ class FitState:
         partial = self.partial_possible.get(stage)
         if partial is None:
             partial = self.partial_possible[stage] = can_yield_partial_batch(loaders())
-        self.setting.policy.dynamic_sizes = dims.apply(batch, partial)
+        self.setting.policy.dynamic_sizes = dims.apply(batch, partial) | mark_dims(batch, self.varying_dims)
 
     def step_timing(self, eager: bool, size: int) -> tuple[bool, ProfileWindow | None]:
         """Whether this step is timed, and the profile window it runs in (profiled steps are never timed)."""
@@ -201,6 +215,12 @@ class FitState:
             profile.step_start()
         self.profile = profile
         return timed and size == self.nominal_batch and profile is None, profile
+
+    def eager_step_ms(self) -> float | None:
+        """Eager's step for the running guard: its own timed reference steps, else the reference pool's median
+        (earlier epochs), else the search's eager trial (one forward and backward)."""
+        trial = self.decision.trials[0].ms if self.decision is not None and self.decision.trials else None
+        return self.pace.eager_ms() or self.pool.median() or trial
 
     def needs_flops(self) -> bool:
         return self.peak_flops is not None and self.flops_per_batch is None
@@ -304,7 +324,8 @@ def fit_setting(options: FuseOptions, trainer: pl.Trainer, pl_module: pl.Lightni
     """What the fit's plans are built from: its regions, its network, the compile arguments, the device."""
     regions = resolve_regions(pl_module, options.targets, options.exclude)
     policy = RegionPolicy(verify=options.verify, recompile_limit=options.recompile_limit,
-                          on_recompile_limit=options.on_recompile_limit)  # fmt: skip
+                          on_recompile_limit=options.on_recompile_limit,
+                          graph_shapes=len(options.pad_buckets or [1]))  # fmt: skip
     compile_options = CompileOptions(backend=options.backend, fullgraph=options.fullgraph, dynamic=options.dynamic,
                                      options=dict(options.options) if options.options else None)  # fmt: skip
     return Setting(regions, graph_target(pl_module), compile_options, pl_module.device, policy=policy,
@@ -331,6 +352,7 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
     if fit._recorder is not None:
         fit._recorder.remove()
         fit._recorder = None
+    _hold_over_varying_shapes(fit)
     if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
         # Dynamo traces each parameter with its .grad: FSDP's bf16 grads left by the eager steps made every region
         # fall back ("grad_dtype 'BFloat16'"). Lightning would set them to None after this step's forward anyway.
@@ -366,6 +388,8 @@ def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
     # the trial's inputs are detached copies: give them the batch's dynamic dims, or the candidates compile for
     # other shapes than training then calls them with (one recompile of every candidate, at its first step)
     mark_region_inputs(compat.tree_leaves((call.args, call.kwargs)), fit.setting.policy.dynamic_sizes)
+    # compiled candidates compile the varying dims as dynamic from their first call: no recompile per length
+    fit.setting.policy.dynamic_sizes |= mark_dims((call.args, call.kwargs), fit.varying_dims)
     consensus = Consensus(lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
                           trainer.strategy.broadcast)  # fmt: skip
     deterministic = not _changes_in_training(module)
@@ -375,9 +399,44 @@ def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
 
 
 def _decision_key(fit: FitState) -> str:
+    """The recorded inputs' signature: shapes (a varying dim as -1, so any length finds it) and dtypes."""
     leaves = [leaf for leaf in compat.tree_leaves(fit.recorded) if isinstance(leaf, torch.Tensor)]
-    shapes = repr([(tuple(t.shape), t.dtype) for t in leaves]) + repr(fit.setting.world_size)
+    shapes = [tuple(-1 if dim in fit.varying_dims else size for dim, size in enumerate(t.shape)) for t in leaves]
+    shapes = repr([(shape, t.dtype) for shape, t in zip(shapes, leaves)]) + repr(fit.setting.world_size)
     return hashlib.sha256(shapes.encode()).hexdigest()[:16]
+
+
+def _hold_over_varying_shapes(fit: FitState) -> None:
+    """Where the shapes recorded before the plan search vary, those dims are marked dynamic from now on and only
+    the candidates that hold over them compete (no CUDA graphs without ``pad_buckets``); one line says so."""
+    if not fit.shapes.varies:
+        return
+    fit.varying_dims = fit.shapes.varying_dims
+    buckets = len(fit.options.pad_buckets or ())
+    kept = for_varying_shapes(fit.candidates, buckets) if fit.searching else fit.candidates
+    left_out = [plan for plan in fit.candidates if plan not in kept]
+    for plan in left_out:
+        plan.release()
+    fit.candidates = kept
+    rank_zero_info(_varying_shapes_note(fit.shapes, [plan.name for plan in left_out], buckets))
+
+
+def _varying_shapes_note(shapes: CallShapes, left_out: list[str], buckets: int) -> str:
+    """What varying shapes change, and the ``pad_buckets`` that would hold the lengths seen (without buckets)."""
+    lengths = shapes.sizes(1)
+    seen = f" (lengths {lengths[0]}..{lengths[-1]})" if lengths else ""
+    dims = sorted(shapes.varying_dims)
+    marked = f"dim {dims[0]} is" if len(dims) == 1 else f"dims {', '.join(map(str, dims))} are"
+    change = f"{marked} compiled as dynamic" if dims else "the calls' structure changes"
+    note = f"FuseCallback: the network's input shapes vary between its first {shapes.calls} training calls{seen}: "
+    note += change
+    if left_out:
+        note += f", and {', '.join(left_out)} (CUDA graphs, one recorded per shape) are left out of the search"
+    if lengths and not buckets:
+        note += (f". To run CUDA graphs over varying lengths, pad them to a few sizes: "
+                 f"FuseCallback(pad_buckets={suggest_buckets(lengths)}) (from the lengths seen; extend it to your "
+                 "longest sequence)")  # fmt: skip
+    return note + "."
 
 
 def _cached_decision(fit: FitState) -> Decision | None:

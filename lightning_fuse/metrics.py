@@ -184,7 +184,7 @@ def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: s
     """The verdict when a plan was dropped (measured slower than eager, or failed): its epochs are another plan's."""
     gone = [(index, row) for index, row in enumerate(history) if row.get(PLAN_KEY, plan) != plan]
     label = str(gone[-1][1][PLAN_KEY]) if gone else "the plan"
-    if "raised" in reason:  # compiled code failed mid-fit: the guard redid that step eagerly
+    if "raised" in reason or not gone:  # failed mid-fit (the step was redone eagerly), or dropped before an epoch end
         return f"FuseCallback: {label} was dropped, {reason}; the rest trained eagerly, no step lost; {cost}"
     rows = [row for _, row in gone if row.get(PLAN_KEY) == label]
     point, low, high = pooled_speedup(rows)

@@ -20,21 +20,19 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from lightning_fuse import compat
-from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
+from lightning_fuse.compiler import GRAPHING_MODES, CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
 from lightning_fuse.graphs import GraphedModule, syncs_when_compiled
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker
 
 AUTO = "auto"
-GRAPHING_MODES = ("reduce-overhead", "max-autotune")
-"""torch.compile modes that capture torch's own CUDA graphs; a second graph around them cannot be captured."""
 
 
 @dataclass
@@ -77,8 +75,9 @@ class Plan:
     """False for code FuseCallback did not install (the user's own compile): never dropped nor guarded."""
     tried_after: str | None = None
     """A fallback: this plan is tried only where the plan of this name failed."""
-    uses_cuda_graphs = False
-    """Whether the plan replays CUDA graphs (its first steps capture them, so they are kept out of the timing)."""
+    records_graphs = False
+    """Whether it runs CUDA graphs, which are shape-specific (one recorded per input shape; the first steps record
+    them, so they are kept out of the timing)."""
 
     def install(self) -> None:
         """Put the plan on the model."""
@@ -141,7 +140,7 @@ class Regions(Plan):
         self.setting = setting
         self.name = "regions+graph" if graph else "regions"
         self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead")
-        self.uses_cuda_graphs = graph or setting.options.mode in GRAPHING_MODES
+        self.records_graphs = graph or setting.options.mode in GRAPHING_MODES
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
             options = replace(options, dynamic=False)
@@ -249,7 +248,7 @@ class RegionTrees(Regions):
         >>> from lightning_fuse.regions import Region
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
         >>> plan = RegionTrees(Setting([Region("0", net[0])], ("net", net), CompileOptions(), torch.device("cuda")))
-        >>> plan.name, plan.tried_after, plan.uses_cuda_graphs
+        >>> plan.name, plan.tried_after, plan.records_graphs
         ('regions+trees', 'regions+graph', True)
     """
 
@@ -310,6 +309,21 @@ def candidates(setting: Setting) -> list[Plan]:
     if not whole_is_regions:
         plans.append(Whole(setting, None))
     return plans
+
+
+def for_varying_shapes(plans: Sequence[Plan], buckets: int) -> list[Plan]:
+    """The plans that hold when the network's input shapes vary between steps: none that records CUDA graphs (one
+    per shape, re-recorded at every new length), unless the lengths are padded to ``buckets`` sizes (``0``: none),
+    whose graphs, one per bucket, are capped by :attr:`Setting.max_graphs`.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> plans = candidates(Setting([], ("net", net), CompileOptions(), torch.device("cuda")))
+        >>> [plan.name for plan in for_varying_shapes(plans, buckets=0)]
+        ['eager', 'compile']
+    """
+    return [plan for plan in plans if buckets or not plan.records_graphs]
 
 
 def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +116,19 @@ def can_yield_partial_batch(loaders: Any) -> bool:
         if len(dataset) % loader.batch_size and not loader.drop_last:
             return True
     return not found and loaders is not None
+
+
+def mark_dims(batch: Any, dims: Collection[int]) -> set[tuple[int, int]]:
+    """Mark ``dims`` dynamic on every tensor of ``batch`` that has them (sizes 0 and 1 stay static, as dynamo
+    specialises them); returns the ``(dim, size)`` pairs marked, for :func:`mark_region_inputs`.
+
+    Example::
+
+        >>> mark_dims({"input_ids": torch.zeros(2, 7), "labels": torch.zeros(2)}, {1})
+        {(1, 7)}
+    """
+    return {_mark(tensor, dim) for tensor in _tensors(batch) for dim in dims if dim < tensor.dim() and
+            tensor.shape[dim] > 1}  # fmt: skip
 
 
 def mark_region_inputs(args: Sequence[Any], sizes: set[tuple[int, int]]) -> None:

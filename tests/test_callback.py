@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.search import Decision
 from tests.toy import ToyTask, trainer
@@ -199,7 +200,9 @@ def test_auto_mode_keeps_eager_when_the_search_measures_every_plan_slower():
     assert "x of eager); compile " in fuse.verdict
 
 
-def test_auto_mode_drops_a_cached_plan_that_an_epoch_measures_slower_than_eager(tmp_path):
+def test_auto_mode_drops_a_cached_plan_that_an_epoch_measures_slower_than_eager(tmp_path, monkeypatch):
+    monkeypatch.setattr(running_guard, "GUARD_WINDOW", 10**6)  # the epoch-end check alone (the running guard's
+    # own drop, mid-epoch, is tested in test_running_guard.py)
     first = FuseCallback(backend=slow_backend, cache_dir=tmp_path, eager_steps=6)
     fit([first], epochs=1, samples=640)
     [path] = tmp_path.rglob("plan-*.json")
@@ -222,7 +225,7 @@ def test_an_explicit_mode_keeps_a_slow_plan():
 
 def test_eager_window_can_be_turned_off():
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
-    fit([fuse], epochs=1)
+    fit([fuse], epochs=1, samples=160)  # 3 eager steps for the search to see the shapes, then 7 of the plan
     assert "fuse/speedup" not in fuse.history[0] and "fuse/step_ms" in fuse.history[0]
 
 

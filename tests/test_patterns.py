@@ -144,20 +144,26 @@ def test_model_compiled_by_the_user_before_the_fit(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- shapes that change
-def test_sequence_length_varies_per_batch(monkeypatch):
+def test_sequence_length_varies_per_batch(monkeypatch, caplog):
     pin_search(monkeypatch)
     lengths = VariableLengthTask().sequence_lengths()
     assert len(set(lengths)) >= 3 and min(lengths) >= 5 and max(lengths) == 16
     eager = fit(VariableLengthTask)
-    cb = fuse()
-    fused = fit(VariableLengthTask, [cb])
+    cb = fuse()  # FuseCallback's defaults: mode="auto", the plan chosen by the search
+    with caplog.at_level("INFO"):
+        fused = fit(VariableLengthTask, [cb])
+    assert cb.options.mode == "auto" and cb.fit.searching
     assert_plan_ran(cb, "regions")
     regions = [r.name for r in cb.plan.runners]
     assert regions == ["model.blocks.0", "model.blocks.1"]
+    # the search saw the first steps' lengths vary: the length dim compiles as dynamic, buckets are suggested
+    assert cb.fit.shapes.calls == 3 and cb.fit.varying_dims == {1}
+    [note] = [r.getMessage() for r in caplog.records if "input shapes vary" in r.getMessage()]
+    assert "dim 1 is compiled as dynamic" in note and "FuseCallback(pad_buckets=[" in note
     reasons = {name: stats.recompile_reasons for name, stats in cb.tracker.regions.items()}
     assert cb.tracker.total_recompiles <= 2 * len(regions), reasons
     for name in regions:
-        assert cb.tracker.stats(name).recompiles <= 2
+        assert cb.tracker.stats(name).recompiles <= 2, reasons
     assert_same_training(fused, eager)
 
 

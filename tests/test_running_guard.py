@@ -1,0 +1,166 @@
+"""Plans that crawl in training: shapes that vary keep graphs out of the search, a slow plan is dropped mid-epoch,
+and torch's own CUDA graphs cannot re-record without bound."""
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import lightning_fuse.running_guard as running_guard
+from lightning_fuse import FuseCallback
+from lightning_fuse.buckets import suggest_buckets
+from lightning_fuse.call_shapes import CallShapes
+from lightning_fuse.compiler import CompiledRegion, CompileOptions
+from lightning_fuse.graphs import graph_target
+from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
+from lightning_fuse.regions import resolve_regions
+from lightning_fuse.running_guard import EAGER, PLAN, RunningGuard, window_speedup
+from lightning_fuse.search import PlanSearch
+from tests.toy import ToyTask, trainer
+
+CUDA = torch.device("cuda", 0)
+GRAPH_PLANS = {"regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+trees"}
+
+
+# ---------------------------------------------------------------------------------------------- varying shapes
+def lengths_seen(*lengths: int) -> CallShapes:
+    shapes = CallShapes()
+    for length in lengths:  # an HF-style call: keyword tensors with the length in dim 1, and a plain flag
+        ids = torch.zeros(4, length, dtype=torch.long)
+        shapes.add((), {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False})
+    return shapes
+
+
+def test_the_shapes_of_the_first_calls_tell_which_dims_vary():
+    assert not lengths_seen(128, 128, 128).varies and lengths_seen(128, 128).varying_dims == set()
+    shapes = lengths_seen(64, 200, 97)
+    assert shapes.varies and shapes.calls == 3
+    assert shapes.varying_dims == {1} and shapes.sizes(1) == [64, 97, 200] and shapes.sizes(0) == []
+    assert suggest_buckets(shapes.sizes(1)) == [64, 128, 192, 256]  # multiples of 64 covering 64..200
+
+
+def test_with_varying_shapes_the_search_offers_no_graph_candidates_unless_lengths_are_bucketed():
+    task = ToyTask()
+    setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"), CUDA,
+                      max_graphs=3)  # fmt: skip
+    plans = candidates(setting)  # a (faked) CUDA device: every graph plan is a candidate
+    assert GRAPH_PLANS <= {plan.name for plan in plans}
+    assert {plan.name for plan in plans if plan.records_graphs} == GRAPH_PLANS
+    assert [plan.name for plan in for_varying_shapes(plans, buckets=0)] == ["eager", "regions", "compile"]
+    assert for_varying_shapes(plans, buckets=3) == plans  # padded to 3 lengths: a graph per bucket, at most 3
+    graphed = next(plan for plan in plans if plan.name == "regions+graph")
+    assert graphed.graph.max_graphs == 3
+
+
+def test_torch_cuda_graphs_of_a_whole_network_stop_recording_past_the_allowed_shapes():
+    task = ToyTask()
+    setting = Setting([], graph_target(task), CompileOptions(backend="eager"), torch.device("cpu"))
+    setting.policy.recompile_limit = 2
+    plan = Whole(setting, "reduce-overhead")  # on CPU the backend ignores the mode: the bookkeeping is the same
+    plan.install()
+    setting.tracker.install()
+    try:
+        with pytest.warns(UserWarning, match="records one CUDA graph per input shape and it met 4 shapes"):
+            for rows in range(2, 8):  # a new batch shape at every call
+                task.model(torch.randn(rows, 8)).sum().backward()
+        [runner] = plan.runners
+        assert "at most 3" in runner.fallback_reason and plan.failure.startswith("every region fell back")
+        compiles = setting.tracker.total_compiles
+        task.model(torch.randn(9, 8))  # past the cap: eager, nothing compiled or recorded
+        assert setting.tracker.total_compiles == compiles
+    finally:
+        plan.uninstall()
+        setting.tracker.remove()
+
+
+# ---------------------------------------------------------------------------------------------- the running guard
+def test_a_window_closes_every_window_steps_and_eager_steps_are_kept_apart():
+    ticks = iter(range(1000))
+    guard = RunningGuard(window=4, clock=lambda: next(ticks) / 1e3 * 2)  # every step lasts 2 ms
+    closed = []
+    for kind in (PLAN, EAGER, None, PLAN, PLAN, PLAN, PLAN, PLAN):
+        guard.begin(kind)
+        closed.append(guard.end())
+    assert [c is not None for c in closed] == [False, False, False, True] * 2
+    assert closed[3] == pytest.approx([2.0, 2.0]) and len(closed[7]) == 4
+    assert guard.eager_ms() == pytest.approx(2.0)
+    assert window_speedup([4.0, 5.0, 6.0], eager_ms=2.5) == pytest.approx(0.5)
+    assert window_speedup([4.0], eager_ms=2.5, least=2) is None and window_speedup([4.0], eager_ms=None) is None
+
+
+class PlanPerStep(Callback):
+    """After FuseCallback: the plan in force at the end of every training step."""
+
+    def __init__(self, fuse: FuseCallback) -> None:
+        self.fuse = fuse
+        self.plans: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.plans.append(self.fuse.plan.name if self.fuse.plan is not None else "-")
+
+
+class FakeClock:
+    """The running guard's clock: 1 ms passes at each reading, and 10 ms at each call of a compiled region."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1e-3
+        return self.now
+
+
+def slow_regions_fit(monkeypatch, steps: int, broadcast=None) -> tuple[FuseCallback, PlanPerStep]:
+    """A fit whose search picks ``regions`` (pinned timing) though each compiled region's call takes 10 ms on the
+    guard's clock: the plan crawls in training, the eager reference steps do not (they bypass the regions).
+    ``broadcast(fuse)`` makes the strategy's broadcast."""
+    clock, plain_init, plain_call = FakeClock(), RunningGuard.__init__, CompiledRegion.__call__
+
+    def pinned_time(self, plan, call):
+        call()
+        return 1.0 if plan.name == "regions" else 10.0
+
+    def slow_call(self, *args, **kwargs):
+        clock.now += 0.01
+        return plain_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(PlanSearch, "_time", pinned_time)
+    monkeypatch.setattr(CompiledRegion, "__call__", slow_call)
+    monkeypatch.setattr(RunningGuard, "__init__", lambda self, window=None: plain_init(self, window, clock))
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    probe = PlanPerStep(fuse)
+    t = trainer([fuse, probe], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
+    if broadcast is not None:
+        monkeypatch.setattr(t.strategy, "broadcast", broadcast(fuse))
+    t.fit(ToyTask(samples=16 * steps))
+    return fuse, probe
+
+
+def test_a_plan_slower_than_eager_is_dropped_within_the_guards_window_mid_epoch(monkeypatch):
+    steps = 60
+    with pytest.warns(UserWarning, match=r"plan 'regions' dropped.*: it measured 0\.03x of eager over its last 30"):
+        fuse, probe = slow_regions_fit(monkeypatch, steps)
+    activation, window = fuse.fit.activation_step, running_guard.GUARD_WINDOW
+    dropped_at = probe.plans.index("eager")
+    assert probe.plans[activation:dropped_at] == ["regions"] * (dropped_at - activation)  # it ran, then went
+    assert activation < dropped_at <= activation + window and dropped_at < steps - 1  # mid-epoch, within a window
+    assert fuse.decision.winner == "regions" and "over its last 30 steps" in fuse.fit.dropped
+    assert fuse.history[0]["fuse/plan_dropped"] == 1.0 and fuse.plan.name == "eager"
+    assert fuse.verdict.startswith("FuseCallback: the plan was dropped, it measured ")
+
+
+def test_rank_zeros_word_decides_once_per_window(monkeypatch):
+    calls = []
+
+    def rank_zero_says_fast(fuse):
+        def broadcast(value, src=0):  # as if rank zero measured the plan faster than eager, wherever it is slow here
+            calls.append((fuse.fit.steps, value))
+            return 2.0 if isinstance(value, float) and value < 0.9 else value
+
+        return broadcast
+
+    fuse, probe = slow_regions_fit(monkeypatch, 70, broadcast=rank_zero_says_fast)
+    activation, window = fuse.fit.activation_step, running_guard.GUARD_WINDOW
+    after = [(step, value) for step, value in calls if step > activation]
+    assert [step for step, _ in after] == [activation + window, activation + 2 * window, 70]  # 2 windows, epoch end
+    assert all(value < 0.9 for _, value in after[:2]), after  # this rank measured the plan slow at each window ...
+    assert fuse.fit.dropped is None and set(probe.plans[activation:]) == {"regions"}  # ... rank zero's word kept it
