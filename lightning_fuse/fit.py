@@ -143,7 +143,9 @@ class FitState:
         fit.tracker.install()
         fit.no_cache = NoCacheInTraining(setting.target[1])
         fit.no_cache.install()
-        fit._recorder = setting.target[1].register_forward_pre_hook(fit._record, with_kwargs=True)
+        # first of the hooks: the search replays the call as the training step makes it, so that a graph it captures
+        # has the signature the training calls have (not the one other hooks, use_cache=False, turn it into)
+        fit._recorder = setting.target[1].register_forward_pre_hook(fit._record, with_kwargs=True, prepend=True)
         scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
         fit.guard = BackwardGuard(fit.drop_plan, trainer.precision_plugin.forward_context,
                                   scaler.scale if scaler is not None else lambda loss: loss)  # fmt: skip
