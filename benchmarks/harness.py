@@ -42,7 +42,7 @@ RECORD = "@record "
 """Prefix of the child's result line on stdout (libraries print there too)."""
 KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "epoch_steps", "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
-ENV = ("device", "torch", "run_started", "command")
+ENV = ("device", "torch", "run_started", "command", "commit")
 LOSS_WINDOW = 10
 """``final_loss`` is the mean loss of the fit's last this many steps."""
 
@@ -50,7 +50,19 @@ LOSS_WINDOW = 10
 def environment() -> dict[str, str]:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"device": device, "torch": torch.__version__, "run_started": datetime.now().isoformat(timespec="seconds"),
-            "command": shlex.join(["python", *sys.argv])}  # fmt: skip
+            "command": shlex.join(["python", *sys.argv]), "commit": _commit()}  # fmt: skip
+
+
+def _commit() -> str | None:
+    """The checkout's commit, with ``+dirty`` where files differ from it (``None`` outside a git checkout)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
 
 
 def describe(err: BaseException) -> str:
@@ -282,8 +294,9 @@ def table(paths: Sequence[Path]) -> str:
         rows = sorted(newest.values(), key=lambda r: tuple(str(r.get(k)) for k in keys))
         lines = [f"### {Path(path).name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
-        runs = sorted({(r.get("run_started"), r.get("device"), r.get("torch"), r.get("command")) for r in rows})
-        lines += [""] + [f"- {when}, {device}, torch {version}: `{command}`" for when, device, version, command in runs]
+        runs = sorted({tuple(str(r.get(k)) for k in ("run_started", "device", "torch", "commit", "command")) for r in rows})
+        lines += [""] + [f"- {when}, {device}, torch {version}, commit {commit}: `{command}`"
+                         for when, device, version, commit, command in runs]  # fmt: skip
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 

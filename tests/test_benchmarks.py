@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import harness  # noqa: E402
 import models  # noqa: E402
 
-ENV = ["device", "torch", "run_started", "command"]
+ENV = ["device", "torch", "run_started", "command", "commit"]
 CLI = {
     "zoo": ["--models", "gpt", "--batches", "small", "--variants", "eager"],
     "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small", "--variants", "eager"],
