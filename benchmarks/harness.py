@@ -294,8 +294,9 @@ def table(paths: Sequence[Path]) -> str:
         rows = sorted(newest.values(), key=lambda r: tuple(str(r.get(k)) for k in keys))
         lines = [f"### {Path(path).name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
-        runs = sorted({tuple(str(r.get(k)) for k in ("run_started", "device", "torch", "commit", "command")) for r in rows})
-        lines += [""] + [f"- {when}, {device}, torch {version}, commit {commit}: `{command}`"
+        runs = sorted({tuple(r.get(k) for k in ("run_started", "device", "torch", "commit", "command")) for r in rows},
+                      key=str)  # fmt: skip
+        lines += [""] + [f"- {when}, {device}, torch {version}{f', commit {commit}' if commit else ''}: `{command}`"
                          for when, device, version, commit, command in runs]  # fmt: skip
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"

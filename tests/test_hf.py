@@ -220,3 +220,20 @@ def test_a_user_passing_use_cache_keeps_it():
     finally:
         no_cache.uninstall()
     assert not NoCacheInTraining(torch.nn.Linear(2, 2)).applies
+
+
+def test_the_search_replays_the_call_as_the_training_step_makes_it(monkeypatch):
+    """A graph captured in the search must match the training calls: their signature is the call before any hook
+    (``use_cache=False`` is added inside), or the plan would run without its graph."""
+    import lightning_fuse.fit as fit_module
+
+    seen: list[dict] = []
+
+    class Spy(fit_module.TrialCall):
+        def __init__(self, module, args, kwargs, **options):
+            seen.append(dict(kwargs))
+            super().__init__(module, args, kwargs, **options)
+
+    monkeypatch.setattr(fit_module, "TrialCall", Spy)
+    fit(lambda: HFTask(tiny_gpt2()), [fuse()])
+    assert seen and sorted(seen[0]) == ["attention_mask", "input_ids", "labels"]
