@@ -17,6 +17,7 @@ import hashlib
 import logging
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -108,6 +109,8 @@ class FitState:
     saved_recompile_limit: int | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
     buckets: PadToBuckets | None = None
+    decision_file: Path | None = None
+    """Where the plan search's decision is cached (``None``: no cache, or no search)."""
     no_cache: NoCacheInTraining | None = None
     _recorder: Any = None
 
@@ -293,6 +296,8 @@ class FitState:
         )
         self.uninstall_plan()
         self.plan, self.dropped = Plan(), f"{reason} (step {self.steps})"
+        if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
+            self.decision_file.unlink(missing_ok=True)
 
     def uninstall_plan(self) -> None:
         if self.plan is not None:
@@ -365,6 +370,7 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
         plan = fit.candidates[0]
         plan.reason = f"the network {fit.setting.target[0]!r} was not called in a training step, so nothing to measure"
     else:
+        fit.decision_file = decision_path(fit.cache.directory, _decision_key(fit)) if fit.cache else None
         fit.decision = _cached_decision(fit) or _search(fit, trainer)
         plan = next(p for p in fit.candidates if p.name == fit.decision.winner)
         plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
@@ -442,20 +448,19 @@ def _varying_shapes_note(shapes: CallShapes, left_out: list[str], buckets: int) 
 
 
 def _cached_decision(fit: FitState) -> Decision | None:
-    if fit.cache is None:
+    if fit.decision_file is None:
         return None
-    path = decision_path(fit.cache.directory, _decision_key(fit))
     try:
-        decision = Decision.from_json(path.read_text())
+        decision = Decision.from_json(fit.decision_file.read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return decision if any(plan.name == decision.winner for plan in fit.candidates) else None
 
 
 def _store_decision(fit: FitState, trainer: pl.Trainer) -> None:
-    if fit.cache is not None and trainer.is_global_zero and not fit.decision.cached:
-        fit.cache.directory.mkdir(parents=True, exist_ok=True)
-        decision_path(fit.cache.directory, _decision_key(fit)).write_text(fit.decision.to_json())
+    if fit.decision_file is not None and trainer.is_global_zero and not fit.decision.cached:
+        fit.decision_file.parent.mkdir(parents=True, exist_ok=True)
+        fit.decision_file.write_text(fit.decision.to_json())
 
 
 def _announce(decision: Decision, trainer: pl.Trainer) -> None:

@@ -200,6 +200,31 @@ def test_a_fit_chooses_by_measurement_and_a_warm_fit_reuses_the_cached_decision(
     assert second.plan.reason == "from the cached decision"
 
 
+def test_a_dropped_plan_is_not_the_next_runs_cached_decision(tmp_path, monkeypatch):
+    def regions_fastest(self, plan, call):
+        call()
+        return 1.0 if plan.name == "regions" else 10.0
+
+    class DropAfterActivation(pl.Callback):  # as the running guard or the epoch's check would
+        def __init__(self, fuse):
+            self.fuse = fuse
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.fuse.plan is not None and self.fuse.plan.name == "regions":
+                self.fuse.fit.drop_plan("measured slower than eager")
+
+    monkeypatch.setattr(PlanSearch, "_time", regions_fastest)
+    first = FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2)
+    trainer = pl.Trainer(max_epochs=1, callbacks=[first, DropAfterActivation(first)], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
+                         limit_val_batches=0)  # fmt: skip
+    trainer.fit(ToyTask(samples=96))
+    assert first.decision.winner == "regions" and first.fit.dropped is not None
+    assert not list(tmp_path.rglob("plan-*.json"))
+    second = fit(FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2))
+    assert not second.decision.cached  # measured again, not started with the plan the first run dropped
+
+
 def test_explicit_settings_force_the_plan_without_a_search():
     callback = fit(FuseCallback(backend="eager", cache_dir=False, mode="default", eager_steps=2))
     assert callback.decision is None and callback.plan.name == "regions"
