@@ -187,6 +187,7 @@ class FitState:
         size = batch_size(batch)
         self.nominal_batch = max(self.nominal_batch, size)
         eager = self.plan is None or self.schedule.is_eager(self.steps)
+        self.no_cache.enabled = not eager and self.runs_compiled()  # eager steps run the user's call as written
         timed, profile = self.step_timing(eager, size)
         self.step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.schedule.is_lead_in(self.steps):
@@ -360,6 +361,7 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
         fit._recorder.remove()
         fit._recorder = None
     _hold_over_varying_shapes(fit)
+    fit.no_cache.enabled = True  # the candidates, eager's trial too, run as the plan will
     if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
         # Dynamo traces each parameter with its .grad: FSDP's bf16 grads left by the eager steps made every region
         # fall back ("grad_dtype 'BFloat16'"). Lightning would set them to None after this step's forward anyway.

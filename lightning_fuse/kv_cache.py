@@ -3,8 +3,10 @@
 A transformers model keeps ``config.use_cache=True`` in training (only gradient checkpointing turns it off), so
 every training forward builds a ``DynamicCache``: a copy of every layer's keys and values that the loss never
 reads, and an object a CUDA graph replay cannot rebuild. :class:`NoCacheInTraining` passes ``use_cache=False`` to
-the network's training calls that do not set it themselves (TRL's ``inputs["use_cache"] = False``). The user's
-config is never edited, so evaluation and generation keep their cache, and nothing needs restoring at teardown.
+the network's training calls that do not set it themselves (TRL's ``inputs["use_cache"] = False``) while it is
+:attr:`~NoCacheInTraining.enabled`: FuseCallback enables it for the steps its plan runs and the plan search, and
+disables it for eager steps, so the eager reference costs what the user's own eager step costs. The user's config
+is never edited, so evaluation and generation keep their cache, and nothing needs restoring at teardown.
 
 Example::
 
@@ -17,8 +19,9 @@ Example::
     >>> no_cache = NoCacheInTraining(lm)
     >>> no_cache.install(); lm(1), lm(1, use_cache=True), lm.eval()(1)
     (False, True, None)
-    >>> no_cache.uninstall(); lm.train()(1) is None
+    >>> no_cache.enabled = False; lm.train()(1) is None
     True
+    >>> no_cache.uninstall()
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class NoCacheInTraining:
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.applies = _cache_on(module) and _takes_use_cache(module)
+        self.enabled = True
+        """Whether calls are changed now (a switch per step: the hook stays installed)."""
         self._handle: Any = None
         self._announced = False
 
@@ -63,7 +68,7 @@ class NoCacheInTraining:
             self._handle = None
 
     def _no_cache(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not module.training or not torch.is_grad_enabled() or kwargs.get("use_cache") is not None:
+        if not (self.enabled and module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is not None:
             return None
         if not self._announced:
             self._announced = True

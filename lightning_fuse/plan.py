@@ -4,8 +4,9 @@ A plan is one of: ``eager``; ``regions`` (the selected submodules compiled in pl
 regions plus one CUDA graph over the network's forward and backward); ``graph`` (that graph over the eager
 network); ``reduce-overhead`` (the whole network compiled with torch's CUDA graphs); ``regions+trees`` (the regions
 with torch's CUDA graphs each) and ``compile+graph`` (one graph over the whole network compiled), both tried where
-the graph over the regions failed; ``compile`` (the whole network compiled, no graph). :func:`candidates` lists, most promising first, those that make sense for the device and the
-number of processes; :func:`forced_plan` builds the one an explicit ``mode``/``cuda_graph``/``targets`` asks for.
+the graph over the regions failed; ``compile`` (the whole network compiled, no graph). :func:`candidates` lists,
+most promising first, those that make sense for the device and the number of processes; :func:`forced_plan` builds
+the one an explicit ``mode``/``cuda_graph``/``targets`` asks for.
 Which candidate runs is measured (:mod:`lightning_fuse.search`).
 
 Example::

@@ -180,27 +180,35 @@ def test_gpt2_with_its_default_kv_cache_trains_with_forced_regions():
 
 
 class CacheSpy(Callback):
-    """Records whether each training forward of the network returned a KV cache."""
+    """Records whether each training forward of the network returned a KV cache, and whether it was an eager step."""
 
-    def __init__(self) -> None:
+    def __init__(self, fuse: FuseCallback) -> None:
+        self.fuse = fuse
         self.caches: list[bool] = []
+        self.eager: list[bool] = []
         self.handle = None
 
     def on_fit_start(self, trainer, pl_module):
-        spy = lambda module, args, out: self.caches.append(getattr(out, "past_key_values", None) is not None)
-        self.handle = pl_module.model.register_forward_hook(spy)
+        self.handle = pl_module.model.register_forward_hook(self.spy)
+
+    def spy(self, module, args, out):
+        self.caches.append(getattr(out, "past_key_values", None) is not None)
+        self.eager.append(not self.fuse.fit.no_cache.enabled)
 
     def on_fit_end(self, trainer, pl_module):
         self.handle.remove()
 
 
 def test_a_causal_lm_trains_without_its_kv_cache_and_its_config_is_left_as_it_was():
-    spy = CacheSpy()
     cb = fuse(mode="default")  # the plan is beside the point: every training call passes through the hook
+    spy = CacheSpy(cb)
     run = fit(lambda: HFTask(tiny_gpt2()), [cb, spy])
     model = run.task.model
     assert model.config.use_cache is True  # the user's config: never edited
-    assert spy.caches and not any(spy.caches)  # no training call built a cache
+    plan_steps = [cache for cache, eager in zip(spy.caches, spy.eager) if not eager]
+    eager_steps = [cache for cache, eager in zip(spy.caches, spy.eager) if eager]
+    assert plan_steps and not any(plan_steps)  # no step of the plan built a cache
+    assert eager_steps and all(eager_steps)  # eager steps (the reference) run the user's call as written
     assert not model._forward_pre_hooks  # the hook is gone after the fit
     model.train()
     assert model(input_ids=torch.randint(0, 64, (2, 8))).past_key_values is not None  # the default is back
