@@ -279,7 +279,7 @@ class FuseCallback(Callback):
 
     def _drop_plan_below_margin(self, speedup: float | None, when: str) -> None:
         if speedup is not None and speedup < SLOWER_THAN_EAGER and self.fit.plan.name != "eager":
-            self.fit.drop_plan(f"it measured {speedup:.2f}x of eager {when}")
+            self.fit.drop_plan(f"it measured {_below(speedup)}x of eager {when}, under the {SLOWER_THAN_EAGER}x kept")
 
     # ------------------------------------------------------------------ fit end
     @override
@@ -313,3 +313,17 @@ class FuseCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(row) for row in state_dict.get("history", [])]
         self.resumed_plan = state_dict.get("plan")
+
+
+def _below(speedup: float) -> str:
+    """``speedup`` with the digits that show it below the margin (0.8956 reads 0.896, not 0.90).
+
+    Example::
+
+        >>> _below(0.8956), _below(0.5)
+        ('0.896', '0.50')
+    """
+    for digits in (2, 3, 4):
+        if round(speedup, digits) < SLOWER_THAN_EAGER:
+            return f"{speedup:.{digits}f}"
+    return f"{speedup:.6f}"

@@ -127,14 +127,16 @@ def find_repeated_blocks(root: nn.Module) -> list[str]:
 
 
 def format_plan(regions: Sequence[Region], root: nn.Module) -> str:
-    """A readable table of the regions with their classes and parameter counts."""
+    """A readable table of the regions with their classes and parameter counts: what the plans that compile
+    regions would compile (at fit start no plan is chosen, so nothing is said to be compiled yet)."""
     total = sum(p.numel() for p in root.parameters())
-    compiled = sum(r.num_params for r in regions)
-    share = f"{100 * compiled / total:.0f}%" if total else "-"
+    covered = sum(r.num_params for r in regions)
+    share = f"{100 * covered / total:.0f}%" if total else "-"
     width = max([len("region")] + [len(r.name) for r in regions])
     class_width = max([len("class")] + [len(r.class_name) for r in regions])
     lines = [
-        f"{len(regions)} region(s), {_human(compiled)} of {_human(total)} parameters ({share}) compiled",
+        f"{len(regions)} region(s) for the plans that compile regions, {_human(covered)} of {_human(total)} "
+        f"parameters ({share})",
         f"  {'region':<{width}}  {'class':<{class_width}}  params",
     ]
     lines += [f"  {r.name:<{width}}  {r.class_name:<{class_width}}  {_human(r.num_params)}" for r in regions]

@@ -2,7 +2,7 @@
 
 Each transformer-like network keeps its repeated blocks in one ``nn.ModuleList`` of a single class
 (``net.blocks``), which is what ``FuseCallback(targets="auto")`` looks for. The definitions follow
-``shared/perf-notes.md`` so that recipe runs and benchmark tables measure the same models. torchvision is
+``benchmarks/RESULTS.md`` so that recipe runs and benchmark tables measure the same models. torchvision is
 imported only to build the ResNet.
 
 Example::

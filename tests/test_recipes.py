@@ -83,7 +83,7 @@ def test_model_and_data_instantiate_at_full_size(tmp_path: Path, model: str) -> 
     task = hydra.utils.instantiate(cfg.model)
     data = hydra.utils.instantiate(cfg.data)
     assert isinstance(task.model, torch.nn.Module) and data.batch_size == cfg.data.batch_size
-    if model == "gpt":  # GPT-8L of perf-notes.md, blocks where FuseCallback(targets="auto") finds them
+    if model == "gpt":  # GPT-8L of benchmarks/RESULTS.md, blocks where FuseCallback(targets="auto") finds them
         assert isinstance(task.model.blocks, torch.nn.ModuleList) and len(task.model.blocks) == 8
         assert task.model.head.out_features == 8192 and data.seq_len == 256
 
