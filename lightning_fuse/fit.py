@@ -16,9 +16,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch

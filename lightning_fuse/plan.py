@@ -225,7 +225,6 @@ class Whole(Regions):
         name, module = setting.target
         options = replace(setting.options, mode=mode, options=None if mode else setting.options.options)
         super().__init__(replace(setting, regions=[Region(name, module)], options=options), graph=graph)
-        self.mode = mode
         if graph:
             self.name, self.tried_after, self.dominated_by = "compile+graph", "regions+graph", ()
         elif mode in GRAPHING_MODES:
