@@ -58,9 +58,17 @@ class NoCacheInTraining:
         self._announced = False
 
     def install(self) -> None:
-        if self.applies and self._handle is None:
-            # prepended: what the other hooks see (the plan search's recorder) is the call as it runs
-            self._handle = self.module.register_forward_pre_hook(self._no_cache, with_kwargs=True, prepend=True)
+        if not self.applies or self._handle is not None:
+            return
+        # prepended: what the other hooks see (the plan search's recorder) is the call as it runs
+        self._handle = self.module.register_forward_pre_hook(self._no_cache, with_kwargs=True, prepend=True)
+        if not self._announced:  # said here, not in the hook: a compiled network traces its hooks, and guards
+            self._announced = True  # on what they read, so a flag the hook flipped would recompile it
+            rank_zero_info(
+                f"FuseCallback: {type(self.module).__name__} is called with use_cache=False in the training steps "
+                "FuseCallback speeds up (no KV cache: the loss does not read it, and a CUDA graph cannot hold it); its "
+                "config is unchanged. Pass use_cache yourself to decide otherwise."
+            )
 
     def uninstall(self) -> None:
         if self._handle is not None:
@@ -70,13 +78,6 @@ class NoCacheInTraining:
     def _no_cache(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not (self.enabled and module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is not None:
             return None
-        if not self._announced:
-            self._announced = True
-            rank_zero_info(
-                f"FuseCallback: {type(module).__name__} is called with use_cache=False in training (no KV cache: the "
-                "loss does not read it, and a CUDA graph cannot hold it); its config is unchanged. Pass use_cache "
-                "yourself to decide otherwise."
-            )
         return args, {**kwargs, "use_cache": False}
 
 

@@ -301,7 +301,10 @@ def candidates(setting: Setting) -> list[Plan]:
         plans.append(Regions(setting, graph=True))
         if not whole_is_regions:
             plans.append(Whole(setting, None, graph=True))
-        plans += [Whole(setting, "reduce-overhead"), Graph(setting)]
+        reduce_overhead = Whole(setting, "reduce-overhead")
+        if whole_is_regions:  # then regions+graph is compile+graph: one graph over the whole network compiled
+            reduce_overhead.dominated_by += ("regions+graph",)
+        plans += [reduce_overhead, Graph(setting)]
         if setting.regions and not whole_is_regions:
             plans.append(RegionTrees(setting))
     if setting.regions:

@@ -230,6 +230,28 @@ def test_a_user_passing_use_cache_keeps_it():
     assert not NoCacheInTraining(torch.nn.Linear(2, 2)).applies
 
 
+def test_the_network_compiled_whole_does_not_recompile_on_the_cache_hook():
+    """``compile+graph`` compiles the network with its hooks: the hook must read nothing that changes after the
+    first call (it once flipped an "announced" flag there, which recompiled the network and cost it its graph)."""
+    from torch._dynamo.utils import counters
+
+    from lightning_fuse.kv_cache import NoCacheInTraining
+
+    torch._dynamo.reset()
+    model = tiny_gpt2()
+    no_cache = NoCacheInTraining(model)
+    no_cache.install()
+    model.compile(backend="eager")
+    try:
+        model(input_ids=torch.randint(0, 64, (2, 8)))
+        compiled = counters["frames"]["total"]
+        for _ in range(2):
+            model(input_ids=torch.randint(0, 64, (2, 8)))
+    finally:
+        no_cache.uninstall()
+    assert counters["frames"]["total"] == compiled  # no frame compiled again
+
+
 def test_the_search_replays_the_call_as_the_training_step_makes_it(monkeypatch):
     """A graph captured in the search must match the training calls: their signature is the call before any hook
     (``use_cache=False`` is added inside), or the plan would run without its graph."""

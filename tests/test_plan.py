@@ -5,7 +5,7 @@ eagerly (so kwargs, pytree outputs and the rebuild are exercised), or disturbs t
 """
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -39,6 +39,10 @@ def test_whole_network_candidate_is_not_repeated_when_the_regions_are_the_whole_
     setting = Setting(resolve_regions(task, "full", ()), graph_target(task), CompileOptions(backend="eager"),
                       torch.device("cpu"))  # fmt: skip
     assert [p.name for p in candidates(setting)] == ["eager", "regions"]
+    on_cuda = {p.name: p for p in candidates(replace(setting, device=CUDA))}
+    assert list(on_cuda) == ["eager", "regions+graph", "reduce-overhead", "graph", "regions"]
+    # regions+graph is then one graph over the whole network compiled: reduce-overhead need not compile it again
+    assert "regions+graph" in on_cuda["reduce-overhead"].dominated_by
 
 
 def test_explicit_settings_force_one_plan_and_refuse_a_graph_with_several_processes():
