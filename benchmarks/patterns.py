@@ -1,7 +1,7 @@
 """Training patterns users bring to FuseCallback: does it still train, how fast, how often does it recompile?
 
 Each (model, pattern, variant) trains in its own process; ``step_ms`` is per batch (a micro-batch under
-gradient accumulation), ``steps`` the batches run, ``final_loss`` the mean loss of the last 10 steps,
+gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start to end (compiling included), ``final_loss`` the mean loss of the last 10 steps,
 ``recompiles`` FuseCallback's count. Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the
 pattern applies, and the recipe ``gpt`` with mixture-of-experts MLPs for ``moe``. On the GPU:
 
@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "final_loss", "recompiles", "plan", "error")
+FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles", "plan",
+          "error")
 HF, VISION = ("llama",), ("resnet50",)
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead")
 
