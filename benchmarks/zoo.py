@@ -40,7 +40,7 @@ def run_variant(runner: harness.Runner, spec: dict, env: dict) -> dict:
     """The cold process (compiling variants only, just past the warmup), then the warm one: one record."""
     cold = {}
     if spec["variant"] in spec["cold"]:
-        cold = runner.launch("zoo.py", {**spec, "steps": spec["warmup"] + 2}, env)
+        cold = runner.launch("zoo.py", {**spec, "steps": spec["warmup"] + 2}, env, kind="cold")
         if cold.get("error"):
             return cold
     warm = runner.launch("zoo.py", spec, env)

@@ -67,7 +67,7 @@ def _finished(run: tuple[subprocess.Popen, Path]) -> Path:
 def in_process(monkeypatch: pytest.MonkeyPatch):
     """Jobs run in this process: ``Runner.launch`` calls the script's ``measure`` (errors become records)."""
 
-    def launch(self, script: str, spec: dict, env: dict | None = None) -> dict:
+    def launch(self, script: str, spec: dict, env: dict | None = None, kind: str = "") -> dict:
         module = __import__(Path(script).stem)
         try:
             return module.measure(json.loads(json.dumps(spec)))
@@ -190,6 +190,8 @@ if spec["do"] == "die":
     os._exit(3)
 if spec["do"] == "sleep":
     time.sleep(60)
+if spec["do"] == "nap":
+    time.sleep(3)
 print("@record " + json.dumps({"step_ms": 1.5, "error": None}))
 """
 
@@ -215,6 +217,16 @@ def test_runner_budget_kills_and_skips(tmp_path: Path) -> None:
     assert runner.launch(str(script), {"do": "sleep"})["error"].startswith("killed: ran past the time budget")
     assert time.monotonic() - start < 10
     assert runner.launch(str(script), {"do": "ok"})["error"].startswith("skipped:")
+
+
+def test_runner_budget_weighs_each_kind_of_process_by_its_own_kind(tmp_path: Path) -> None:
+    """A long cold compile must not skip the short warm process after it."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    runner = harness.Runner(tmp_path / "out.jsonl", ("error",), budget_s=5)
+    assert runner.launch(str(script), {"do": "nap"}, kind="cold")["error"] is None  # 3 s of the 5
+    assert runner.launch(str(script), {"do": "ok"})["error"] is None  # no warm one yet: it runs
+    assert runner.launch(str(script), {"do": "nap"}, kind="cold")["error"].startswith("skipped:")
 
 
 def test_fit_turns_an_exception_into_error() -> None:
