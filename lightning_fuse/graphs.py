@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -314,6 +314,40 @@ def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None])
         return describe_error(err)
     finally:
         compat.set_compiled_call_impl(module, installed)
+    return None
+
+
+def syncs_between_regions(
+    regions: Sequence[nn.Module], forward_backward: Callable[[], None], on_cuda: bool
+) -> str | None:
+    """Why no graph over the network with ``regions`` compiled can be captured: a host sync in the eager code
+    between the regions (``None``: none found, or not on CUDA), found with the eager network in a second.
+
+    ``forward_backward()`` runs one training call, without synchronising. It runs twice, the second time with host
+    syncs raising everywhere but inside the regions' forwards (their compile may trace a sync away). A sync in the
+    glue (an HF model's check of its attention mask, a TorchScript helper) fails every capture of the network;
+    finding it here spares compiling the regions first.
+
+    Example::
+
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> syncs_between_regions([lin], lambda: lin(torch.ones(1, 2)).sum().backward(), on_cuda=False) is None
+        True
+    """
+    if not on_cuda:
+        return None
+    forward_backward()
+    handles = [handle for region in regions for handle in (
+        region.register_forward_pre_hook(lambda *_: torch.cuda.set_sync_debug_mode("default"), prepend=True),
+        region.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode("error")))]  # fmt: skip
+    try:
+        with host_syncs_raise(True):
+            forward_backward()
+    except RuntimeError as err:
+        return describe_error(err)
+    finally:
+        for handle in handles:
+            handle.remove()
     return None
 
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import GRAPHING_MODES, CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
-from lightning_fuse.graphs import GraphedModule, syncs_when_compiled
+from lightning_fuse.graphs import GraphedModule, syncs_between_regions, syncs_when_compiled
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker
 
@@ -149,6 +149,13 @@ class Regions(Plan):
         name, module = setting.target
         self.graph = GraphedModule(name, module, compiles=lambda: setting.tracker.total_compiles,
                                    max_graphs=setting.max_graphs) if graph else None  # fmt: skip
+
+    def unfit(self, forward_backward: Callable[[], None]) -> str | None:
+        if self.graph is None:
+            return None
+        regions = [runner.region.module for runner in self._runners]
+        sync = syncs_between_regions(regions, forward_backward, on_cuda=self.setting.device.type == "cuda")
+        return f"it syncs with the host outside its regions, which no capture survives ({sync})" if sync else None
 
     def install(self) -> None:
         for runner in self._runners:

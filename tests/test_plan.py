@@ -13,8 +13,8 @@ from torch import nn
 
 from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.graphs import GraphedModule, call_signature, graph_target, release_capture_graph
-from lightning_fuse.plan import Setting, Whole, candidates, forced_plan
-from lightning_fuse.regions import resolve_regions
+from lightning_fuse.plan import Regions, Setting, Whole, candidates, forced_plan
+from lightning_fuse.regions import Region, resolve_regions
 from tests.toy import ToyTask
 
 CUDA = torch.device("cuda", 0)
@@ -223,3 +223,46 @@ def test_release_capture_graph_detaches_the_outputs_a_graphed_forward_closes_ove
     assert release_capture_graph(graphed) == 1
     assert outputs[0].grad_fn is None and outputs[1].grad_fn is not None
     assert weight.grad_fn is None and weight.requires_grad  # parameters are left alone
+
+
+class FakeSyncDebug:
+    """``torch.cuda``'s sync-debug mode on a CPU machine: :meth:`sync` raises as a CUDA sync would in "error"."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.mode = "default"
+        monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: self.mode)
+        monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: setattr(self, "mode", mode))
+
+    def sync(self) -> None:
+        if self.mode == "error":
+            raise RuntimeError("called a synchronizing CUDA operation")
+
+
+class Glue(nn.Module):
+    """A block between two syncs: one in the eager code around it (``glue``), one inside it (``inside``)."""
+
+    def __init__(self, sync: FakeSyncDebug, glue: bool, inside: bool) -> None:
+        super().__init__()
+        self.block, self.sync, self.glue, self.inside = nn.Linear(4, 4), sync, glue, inside
+        self.block.register_forward_pre_hook(lambda *_: self.sync.sync() if self.inside else None)
+
+    def forward(self, x):
+        if self.glue:
+            self.sync.sync()  # an HF model's `if mask.all():`
+        return self.block(x)
+
+
+@pytest.mark.parametrize(("glue", "inside"), [(True, False), (False, True), (False, False)])
+def test_a_graph_plan_is_refused_before_compiling_when_the_code_between_regions_syncs(monkeypatch, glue, inside):
+    sync = FakeSyncDebug(monkeypatch)
+    net = Glue(sync, glue, inside)
+    setting = Setting([Region("block", net.block)], ("net", net), CompileOptions(backend="eager"), CUDA)
+    plan = Regions(setting, graph=True)
+    reason = plan.unfit(lambda: net(torch.randn(2, 4)).sum().backward())
+    if glue:  # the glue runs eagerly inside every capture: no graph over this network can be captured
+        assert reason == ("it syncs with the host outside its regions, which no capture survives "
+                          "(RuntimeError: called a synchronizing CUDA operation)")  # fmt: skip
+    else:  # a sync inside a region may be traced away by its compile: the capture decides
+        assert reason is None
+    assert sync.mode == "default" and not net.block._forward_hooks  # nothing left behind
+    assert Regions(setting, graph=False).unfit(lambda: sync.sync()) is None  # no graph, nothing to refuse
