@@ -10,10 +10,12 @@ Example::
     >>> import torch
     >>> from lightning_fuse.regions import Region
     >>> block = torch.nn.Linear(4, 4)
-    >>> runners = compile_regions([Region("block", block)], CompileOptions(backend="eager"))
-    >>> block(torch.randn(2, 4)).shape
+    >>> from lightning_fuse.shapes import CompileTracker
+    >>> runner = CompiledRegion(Region("block", block), CompileOptions(backend="eager"), CompileTracker(),
+    ...                         RegionPolicy())
+    >>> runner.install(); block(torch.randn(2, 4)).shape
     torch.Size([2, 4])
-    >>> uncompile_regions(runners)
+    >>> uncompile_regions([runner])
 """
 
 from __future__ import annotations
@@ -238,23 +240,8 @@ class CompiledRegion:
         )
 
 
-def compile_regions(
-    regions: Sequence[Region],
-    options: CompileOptions,
-    tracker: CompileTracker | None = None,
-    policy: RegionPolicy | None = None,
-) -> list[CompiledRegion]:
-    """Compile every region in place and return the runners (pass them to :func:`uncompile_regions` to undo)."""
-    tracker = tracker or CompileTracker()
-    policy = policy or RegionPolicy()
-    runners = [CompiledRegion(region, options, tracker, policy) for region in regions]
-    for runner in runners:
-        runner.install()
-    return runners
-
-
 def uncompile_regions(runners: Sequence[CompiledRegion]) -> None:
-    """Restore plain eager modules, exactly as before :func:`compile_regions`."""
+    """Restore plain eager modules, exactly as before the runners were installed."""
     for runner in runners:
         runner.uninstall()
 

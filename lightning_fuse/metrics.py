@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from lightning_fuse.gpu import mfu
 from lightning_fuse.shapes import CompileTracker, RegionCompiles, explain_graph_break
 from lightning_fuse.timing import REFERENCE_BUDGET, THIN_REFERENCE, EpochTiming
 
@@ -60,8 +61,9 @@ def epoch_metrics(
             row["fuse/samples_per_s"] = batch_size / step_s
         if items_per_batch:
             row["fuse/items_per_s"] = items_per_batch / step_s
-        if flops_per_batch and peak_flops:
-            row["fuse/mfu"] = flops_per_batch / step_s / peak_flops
+        utilisation = mfu(flops_per_batch or 0.0, step_s, peak_flops)
+        if utilisation is not None:
+            row["fuse/mfu"] = utilisation
     if timing.eager_step_ms:
         row["fuse/reference_age"] = float(timing.reference_age)
         if timing.reference_age == 0:

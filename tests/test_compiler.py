@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fuse.compiler import CompileOptions, RegionPolicy, compile_regions, uncompile_regions
+from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
 from lightning_fuse.regions import resolve_regions
 from lightning_fuse.shapes import CompileTracker
 from tests.toy import Net
@@ -24,8 +24,11 @@ def wrong_backend(gm, example_inputs):
 def compiled(net, backend="eager", **policy):
     tracker = CompileTracker()
     tracker.install()
-    regions = resolve_regions(net, "auto")
-    return compile_regions(regions, CompileOptions(backend=backend), tracker, RegionPolicy(**policy)), tracker
+    runners = [CompiledRegion(region, CompileOptions(backend=backend), tracker, RegionPolicy(**policy))
+               for region in resolve_regions(net, "auto")]  # fmt: skip
+    for runner in runners:
+        runner.install()
+    return runners, tracker
 
 
 def test_in_place_compile_keeps_state_dict_keys_class_and_hooks():
