@@ -497,8 +497,8 @@ def end_epoch(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule)
 
 
 def report(fit: FitState, trainer: pl.Trainer, history: list[dict[str, Any]]) -> str:
-    """The fit's end: the verdict in one line (terminal and Python logging), the summary (logging, TensorBoard);
-    returns the verdict."""
+    """The fit's end: the summary with the verdict (Python logging, TensorBoard), and the verdict on the terminal,
+    once (printed, unless a logging handler already wrote the summary there); returns the verdict."""
     verdict = fit.verdict(history)
     ran = fit.what_ran()
     log.info(summary_table(history, fit.tracker, ran, verdict=verdict))
@@ -508,9 +508,21 @@ def report(fit: FitState, trainer: pl.Trainer, history: list[dict[str, Any]]) ->
             text = summary_table(history, fit.tracker, ran, markdown=True, verdict=verdict)
             experiment.add_text("fuse/summary", text, global_step=trainer.current_epoch)
             experiment.flush()
-    print(f"\n{verdict}", flush=True)  # noqa: T201 - the fit's verdict, on a line of its own on the terminal
-    log.info(verdict)
+    if not _logging_reaches_terminal(log):  # else (a Hydra run) the summary just logged showed it there
+        print(f"\n{verdict}", flush=True)  # noqa: T201 - the fit's verdict, on a line of its own on the terminal
     return verdict
+
+
+def _logging_reaches_terminal(logger: logging.Logger) -> bool:
+    """Whether ``logger``'s INFO records are written to stdout or stderr by a handler (Hydra's console handler)."""
+    terminal = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    current: logging.Logger | None = logger
+    while current is not None and logger.isEnabledFor(logging.INFO):
+        if any(isinstance(handler, logging.StreamHandler) and handler.stream in terminal
+               and handler.level <= logging.INFO for handler in current.handlers):  # fmt: skip
+            return True
+        current = current.parent if current.propagate else None
+    return False
 
 
 def epoch_extras(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:

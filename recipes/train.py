@@ -154,14 +154,12 @@ def save_resolved_config(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="train")
 def main(cfg: DictConfig) -> None:
-    """Entry point: save the resolved config, train, say where the logs are."""
+    """Entry point: save the resolved config, train, say where the logs are (FuseCallback's summary, its verdict
+    included, is logged at the fit's end, once)."""
     save_resolved_config(cfg)
     trainer = train(cfg)
     if trainer.is_global_zero:
         announce_logs(trainer, cfg.paths.output_dir)
-        for verdict in (getattr(callback, "verdict", None) for callback in trainer.callbacks):
-            if verdict:
-                log.info(verdict)  # the run's last line: what FuseCallback gained, and what it cost
 
 
 if __name__ == "__main__":

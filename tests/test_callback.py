@@ -2,6 +2,7 @@
 
 import math
 import statistics
+import sys
 import time
 
 import lightning.pytorch as pl
@@ -312,3 +313,23 @@ def test_one_callback_fits_twice_and_each_fit_logs_its_own_scalars(tmp_path):
         events.Reload()
         assert {"fuse/step_ms", "fuse/speedup", "fuse/compile_s"} <= set(events.Tags()["scalars"]), version
     assert [row["epoch"] for row in fuse.history] == [0.0, 0.0]
+
+
+def test_a_hydra_run_shows_the_verdict_once_on_the_terminal(capsys):
+    """Hydra's console handler writes INFO records to stdout: the summary logged there holds the verdict, so it is
+    not printed a second time (a plain run, with no such handler, is the test above)."""
+    import logging
+
+    console = logging.StreamHandler(sys.stdout)  # what Hydra's job logging puts on the root logger
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(console)
+    root.setLevel(logging.INFO)
+    try:
+        fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4)
+        fit([fuse], epochs=1, samples=160)
+    finally:
+        root.removeHandler(console)
+        root.setLevel(level)
+    out = capsys.readouterr().out
+    assert fuse.verdict and out.count(fuse.verdict) == 1

@@ -169,9 +169,11 @@ def test_the_commands_printed_at_the_end_of_a_run_work_as_printed(tmp_path: Path
     run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     output = run.stdout + run.stderr
-    last = [line for line in (tmp_path / "train.log").read_text().splitlines() if line.strip()][-1]
-    assert "FuseCallback: " in last and " compile " in last, f"the run's last line is the verdict: {last!r}"
-    assert last.split("FuseCallback: ", 1)[1] in output  # and on the terminal
+    log_lines = (tmp_path / "train.log").read_text().splitlines()
+    verdict = log_lines[[i for i, line in enumerate(log_lines) if "FuseCallback plan: " in line][-1] + 1]
+    assert verdict.startswith("FuseCallback: ") and " compile " in verdict, f"the summary's verdict: {verdict!r}"
+    assert sum(line.endswith(verdict) for line in log_lines) == 1, "the verdict, once in the log file"
+    assert output.count(verdict) == 1, "and once on the terminal"
     (report,), (tensorboard,) = _printed(output, "summary:"), _printed(output, "see them:")
     assert report[0] == tensorboard[0] and Path(ROOT, report[0]).resolve() == Path(sys.executable).resolve()
     shown = subprocess.run(report, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
