@@ -32,7 +32,7 @@ from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_tr
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.guard import BackwardGuard
 from lightning_fuse.kv_cache import NoCacheInTraining
-from lightning_fuse.metrics import count_items, epoch_metrics, per_rank, summary_table, verdict_line
+from lightning_fuse.metrics import count_items, epoch_metrics, measure_only_line, per_rank, summary_table, verdict_line
 from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, for_varying_shapes, forced_plan, user_compiled
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import resolve_regions
@@ -260,6 +260,8 @@ class FitState:
         if self.decision is not None and self.decision.winner == "eager" and self.dropped is None:
             return self._eager_verdict()
         last = history[-1] if history else {}
+        if self.plan is not None and self.plan.owned and not self.plan.modules() and self.decision is None:
+            return measure_only_line(last.get("fuse/step_ms"))
         return verdict_line(self.plan_name(), history, self.tracker.total_s,
                             break_even_step=last.get("fuse/break_even_step"), dropped=self.dropped,
                             device_type=self.setting.device.type if self.setting else "cpu",

@@ -178,6 +178,18 @@ def pooled_speedup(rows: Sequence[Row]) -> tuple[float | None, float | None, flo
 _DEVICE_WORDS = {"cuda": "GPU", "cpu": "CPU", "mps": "Apple GPU", "xpu": "Intel GPU"}
 
 
+def measure_only_line(step_ms: float | None) -> str:
+    """The verdict of a run that selects nothing to compile (``fuse=measure_only``): eager by design, timed.
+
+    Example::
+
+        >>> measure_only_line(10.24)
+        'FuseCallback: measure only (nothing selected to compile): eager steps of 10.2 ms, no speedup to measure'
+    """
+    steps = f"eager steps of {step_ms:.1f} ms" if step_ms else "eager steps, none timed"
+    return f"FuseCallback: measure only (nothing selected to compile): {steps}, no speedup to measure"
+
+
 def _seconds(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
 

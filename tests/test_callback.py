@@ -333,3 +333,11 @@ def test_a_hydra_run_shows_the_verdict_once_on_the_terminal(capsys):
         root.setLevel(level)
     out = capsys.readouterr().out
     assert fuse.verdict and out.count(fuse.verdict) == 1
+
+
+def test_a_measure_only_run_says_so_in_its_verdict():
+    """``targets=[]`` (the recipes' ``fuse=measure_only``) is eager by design: not "no reference step was timed"."""
+    fuse = FuseCallback(backend="aot_eager", targets=[], cuda_graph=False, cache_dir=False)
+    fit([fuse], epochs=1, samples=160)
+    assert fuse.verdict.startswith("FuseCallback: measure only (nothing selected to compile): eager steps of ")
+    assert fuse.plan.name == "eager" and not fuse.plan.modules()
