@@ -8,6 +8,7 @@ callback logs those scalars once per epoch with ``step = epoch``. This module re
   when there are none), else the logger's ``name/version`` folders;
 - **status**: ``compiled``, ``dropped at epoch N`` (the plan was dropped, the run trained eagerly from epoch
   ``N``), ``measure only`` (an eager run that only times itself, ``fuse=measure_only``), or ``never compiled``;
+- **plan**: the plan it ended with, from its ``fuse/summary`` (``eager`` for a run that never compiled);
 - **speedup**, step ms, GPU util and MFU: medians over the epochs that ran the compiled plan only; a run that
   never compiled shows no speedup. With ``fuse/speedup_low``/``fuse/speedup_high`` the speedup reads
   ``3.4x (3.2-3.6)``: the medians of the epochs' own bounds.
@@ -52,6 +53,7 @@ Cell = Union[str, int, float, None]
 _COLUMNS = (
     ("run", "run", "{}"),
     ("status", "status", "{}"),
+    ("plan", "plan", "{}"),
     ("epochs", "epochs", "{}"),
     ("speedup_text", "speedup", "{}"),
     ("step_ms", "step ms", "{:.2f}"),
@@ -59,8 +61,9 @@ _COLUMNS = (
     ("mfu_pct", "MFU %", "{:.1f}"),
     ("compile_s", "compile s", "{:.1f}"),
 )
-_OPTIONAL = ("gpu_util", "mfu_pct")
+_OPTIONAL = ("plan", "gpu_util", "mfu_pct")
 COMPILED, MEASURE_ONLY, NEVER_COMPILED, UNKNOWN = "compiled", "measure only", "never compiled", "-"
+_PLAN_TEXT = re.compile(r"plan: ([\w+-]+)")
 _DROP_TEXT = re.compile(r"eager from epoch (\d+)|plan (?:was )?dropped", re.IGNORECASE)
 _MEASURE_TEXT = re.compile(r"measure[ _-]only", re.IGNORECASE)
 _GENERIC_FOLDER = re.compile(r"^(tb|tensorboard|logs?|version_\d+|\d+)$")
@@ -380,6 +383,7 @@ def summarise(run: Run) -> dict[str, Cell]:
     return {
         "run": run.name,
         "status": status.label,
+        "plan": "eager" if status.label in (MEASURE_ONLY, NEVER_COMPILED) else plan_name(run),
         "epochs": str(epochs) if len(pooled) in (0, epochs) else f"{len(pooled)}/{epochs}",
         "speedup": speedup,
         "speedup_text": None if speedup is None else format_speedup(speedup, low, high, words=False),
@@ -388,6 +392,19 @@ def summarise(run: Run) -> dict[str, Cell]:
         "mfu_pct": None if mfu is None else 100 * mfu,
         "compile_s": max(compile_s) if compile_s else None,
     }
+
+
+def plan_name(run: Run) -> str | None:
+    """The plan the run ended with, from its ``fuse/summary`` (``FuseCallback plan: compile+graph (chosen by
+    measurement); graph: captured, 191 replays``); ``None`` without a summary.
+
+    Example::
+
+        >>> plan_name(Run("a", Path("a"), {}, {"summary": "**FuseCallback** plan: regions+graph (chosen by ...)"}))
+        'regions+graph'
+    """
+    match = _PLAN_TEXT.search("\n".join(run.texts.values()))
+    return match.group(1) if match else None
 
 
 def _median(run: Run, metric: str, epochs: Sequence[int]) -> float | None:

@@ -145,8 +145,10 @@ def test_dropped_measure_only_and_never_compiled_runs_are_flagged(tmp_path: Path
     assert dropped["step ms"] == "4.50", "medians pool only the epochs that ran the compiled plan"
     legacy = rows["run=dropped_text"]
     assert (legacy["status"], legacy["epochs"], legacy["speedup"]) == ("dropped at epoch 2", "2/3", "1.90x")
+    assert (legacy["plan"], dropped["plan"]) == ("regions", "-"), "the plan its summary names (none: no summary)"
     for name in ("fuse=measure_only", "run=measure_text"):
         assert (rows[name]["status"], rows[name]["speedup"], rows[name]["step ms"]) == ("measure only", "-", "10.20")
+        assert rows[name]["plan"] == "eager"
     assert (rows["run=never"]["status"], rows["run=never"]["speedup"]) == ("never compiled", "-")
     assert "dropped at epoch N: the plan measured slower than eager" in out
     assert "measure only: an eager run" in out and "never compiled: every epoch ran eagerly" in out
