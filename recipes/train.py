@@ -136,14 +136,14 @@ def announce_logs(trainer: L.Trainer, output_dir: str) -> None:
     if importlib.util.find_spec("tensorboard") is None:
         log.info('  to read them, install tensorboard: pip install "lightning-fuse[report]"')
         return
-    commands = log_commands(output_dir)
-    log.info(f"  see them:  {commands['tensorboard']}")
-    log.info(f"  summary:   {commands['report']}")
+    commands = log_commands(output_dir)  # each on a line of its own, under its label: ready to copy
+    log.info(f"  see them:\n{commands['tensorboard']}")
+    log.info(f"  summary:\n{commands['report']}")
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         commands = log_commands(HydraConfig.get().sweep.dir)
         log.info("  all jobs of this sweep:")
-        log.info(f"    see them:  {commands['tensorboard']}")
-        log.info(f"    summary:   {commands['report']}")
+        log.info(f"    see them:\n{commands['tensorboard']}")
+        log.info(f"    summary:\n{commands['report']}")
 
 
 @rank_zero_only

@@ -158,8 +158,10 @@ def test_sweep_gives_each_job_its_own_logs(tmp_path: Path) -> None:
 
 
 def _printed(output: str, label: str) -> list[list[str]]:
-    """The commands the recipe printed after ``label`` (``"summary:"`` or ``"see them:"``), as argv lists."""
-    return [shlex.split(line.split(label, 1)[1]) for line in output.splitlines() if label in line]
+    """The commands the recipe printed on the line after ``label`` (``"summary:"`` or ``"see them:"``), as argv
+    lists: a line of its own, no log prefix, ready to copy."""
+    lines = output.splitlines()
+    return [shlex.split(lines[i + 1]) for i, line in enumerate(lines[:-1]) if line.endswith(label)]
 
 
 def test_the_commands_printed_at_the_end_of_a_run_work_as_printed(tmp_path: Path) -> None:
