@@ -25,7 +25,7 @@ Example::
 
 From a shell::
 
-    $ python -m lightning_fuse report outputs/2026-01-05/10-31-02 multirun/ --plot fuse.png
+    $ python -m lightning_fuse report outputs/2026-01-05/10-31-02 multirun/ --plot   # plot: its first folder
 """
 
 from __future__ import annotations
@@ -546,7 +546,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "logdirs", nargs="+", metavar="LOGDIR", help="a run's folder or a folder of runs, searched recursively"
     )
     parser.add_argument("--format", choices=("text", "md"), default="text", help="table format (default: text)")
-    parser.add_argument("--plot", metavar="PNG", help="also save speedup (and GPU utilisation) per epoch to PNG")
+    parser.add_argument("--plot", metavar="PNG", nargs="?", const="",
+                        help="also save speedup (and GPU utilisation) per epoch to PNG (no PNG: fuse.png in the "
+                        "first LOGDIR)")  # fmt: skip
 
 
 def report(args: argparse.Namespace) -> int:
@@ -577,28 +579,12 @@ def report(args: argparse.Namespace) -> int:
     notes = explain_flags(rows)
     if notes:
         print("\n" + "\n".join(f"{'- ' if args.format == 'md' else ''}{note}" for note in notes))
-    if args.plot:
+    if args.plot is not None:
+        path = Path(args.plot or Path(args.logdirs[0]) / "fuse.png")  # beside the runs, not wherever one stands
         try:
-            plot_runs(runs, args.plot)
+            plot_runs(runs, path)
         except (OSError, ModuleNotFoundError) as err:
-            print(f"lightning-fuse report: cannot write the plot to {args.plot}: {err}", file=sys.stderr)
+            print(f"lightning-fuse report: cannot write the plot to {path}: {err}", file=sys.stderr)
             return 2
-        print(f"plot saved to {args.plot}", file=sys.stderr)
+        print(f"plot saved to {path}", file=sys.stderr)
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``lightning-fuse`` command (same as ``python -m lightning_fuse``); kept here for older imports.
-
-    Example::
-
-        >>> main(["report", "outputs/2026-01-05", "--format", "md"])  # doctest: +SKIP
-        0
-    """
-    from lightning_fuse.__main__ import main as cli
-
-    return cli(argv)
-
-
-if __name__ == "__main__":  # `python -m lightning_fuse.report report ...`, as older scripts call it
-    sys.exit(main())

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from torch.utils.tensorboard import SummaryWriter
 
-from lightning_fuse.report import NoRunsError, Run, format_table, load_runs, main, plot_runs, summarise
+from lightning_fuse.__main__ import main
+from lightning_fuse.report import NoRunsError, Run, format_table, load_runs, plot_runs, summarise
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,6 +194,12 @@ def test_report_plot_has_a_gpu_panel_only_with_gpu_data(two_logdirs: tuple[Path,
     assert wide > 1.5 * narrow, "two panels with GPU data, the speedup panel alone without"
 
 
+def test_a_plot_without_a_path_goes_beside_the_runs(two_logdirs: tuple[Path, Path], tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where one stands (the repository root in the quickstart) stays clean
+    assert main(["report", str(two_logdirs[1]), "--plot"]) == 0
+    assert (two_logdirs[1] / "fuse.png").is_file() and not (tmp_path / "fuse.png").exists()
+
+
 def test_plot_of_flagged_runs(tmp_path: Path) -> None:
     png = tmp_path / "flagged.png"
     runs = [
@@ -204,11 +211,10 @@ def test_plot_of_flagged_runs(tmp_path: Path) -> None:
 
 
 def test_python_dash_m_runs_the_report(two_logdirs: tuple[Path, Path]) -> None:
-    for module in ("lightning_fuse", "lightning_fuse.report"):  # the new command, and the one older scripts use
-        command = [sys.executable, "-m", module, "report", str(two_logdirs[0])]
-        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert "gpu_run" in run.stdout and "1.30x" in run.stdout
+    command = [sys.executable, "-m", "lightning_fuse", "report", str(two_logdirs[0])]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "gpu_run" in run.stdout and "1.30x" in run.stdout
 
 
 def test_without_tensorboard_the_report_says_what_to_install(two_logdirs, monkeypatch, capsys) -> None:
