@@ -298,7 +298,8 @@ def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None =
 
 def fuse_info(callbacks: list) -> dict[str, Any]:
     """What the FuseCallback among ``callbacks`` did (``None``s without one): ``plan``, ``recompiles``, ``history``,
-    ``ran`` (the summary's line: the plan, its graph captured with its replays or why not, fallbacks) and
+    ``ran`` (the summary's line: the plan, its graph captured with its replays or why not, the graphs torch's
+    cudagraph trees recorded, fallbacks) and
     ``search`` (the decision, one line per candidate)."""
     fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
     plan = getattr(fuse, "plan", None)

@@ -96,6 +96,8 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._inductor.config", "checking inductor options before fit", required=False),
         PrivateAPI("torch._dynamo.utils.counters", "counting graph breaks and cache hits", required=False),
         PrivateAPI("torch._dynamo.utils.get_compilation_metrics", "reading recompile reasons", required=False),
+        PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting the CUDA graphs of torch's cudagraph trees",
+                   required=False),
         PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
         PrivateAPI("torch.Tensor._is_view", "releasing a CUDA graph capture's autograd graph"),
         PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "letting activation checkpointing's early stop "
@@ -428,6 +430,45 @@ def compilation_metrics() -> list[Any]:
         True
     """
     return list(_optional("torch._dynamo.utils.get_compilation_metrics", lambda: [])())
+
+
+def cudagraph_tree_stats(device_index: int) -> tuple[int, int]:
+    """The CUDA graphs torch's cudagraph trees hold on CUDA device ``device_index``, and the times inductor skipped
+    cudagraphs: both so far in this process.
+
+    Inductor's CUDA graphs (``mode="reduce-overhead"``) are recorded per compiled piece, each recording a node of the
+    device's trees, kept until the trees are shut down; a skipped piece runs without graphs, and inductor warns why
+    ("skipping cudagraphs due to ..."). Neither counts replays. Why private: the trees exist only in
+    ``torch._inductor.cudagraph_trees`` (its manager's ``roots``, each node's ``children``), the skips only in
+    ``counters["inductor"]["cudagraph_skips"]``. No trees (none made yet, or shut down) hold 0 graphs. Without the
+    manager's lookup, or with trees laid out otherwise, the graphs read 0 after one warning.
+
+    Example::
+
+        >>> graphs, skips = cudagraph_tree_stats(0)
+        >>> graphs >= 0 and skips >= 0
+        True
+    """
+    get_manager = _optional("torch._inductor.cudagraph_trees.get_manager", lambda *args, **kwargs: None)
+    manager = get_manager(device_index, create_if_none_exists=False)
+    try:
+        graphs = _tree_nodes(manager.roots) if manager is not None else 0
+    except AttributeError as err:
+        message = f"FuseCallback: torch's cudagraph trees are laid out otherwise ({err}); their graphs are not counted."
+        _warn_once("cudagraph trees", message)
+        graphs = 0
+    return graphs, dynamo_counters()["inductor"]["cudagraph_skips"]
+
+
+def _tree_nodes(roots: Mapping[Any, list[Any]] | None) -> int:
+    """The nodes of the trees under ``roots`` (lists of nodes, each with ``children`` alike); ``None`` (trees shut
+    down) has none."""
+    nodes = [node for group in (roots or {}).values() for node in group]
+    count = 0
+    while nodes:
+        count += 1
+        nodes += [child for group in nodes.pop().children.values() for child in group]
+    return count
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:

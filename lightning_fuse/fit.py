@@ -106,6 +106,9 @@ class FitState:
     peak_flops: float | None = None
     sampler: gpu.GpuSampler | None = None
     cache_at_start: tuple[int, int] = (0, 0)
+    trees_at_start: tuple[int, int] = (0, 0)
+    """torch's cudagraph trees at fit start: the graphs they held and inductor's cudagraph skips, on the fit's device
+    (:func:`_cudagraph_trees`); both are process-wide, so the fit's own are what was added since."""
     saved_recompile_limit: int | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
     buckets: PadToBuckets | None = None
@@ -137,6 +140,7 @@ class FitState:
         graphs = any(plan.records_graphs for plan in fit.candidates)
         fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
         fit.cache_at_start = cache_counters()
+        fit.trees_at_start = _cudagraph_trees(setting.device)
         fit.saved_recompile_limit = compat.dynamo_recompile_limit()
         # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
         # reached before ours; our limit is per region and enforced in compiler.CompiledRegion.
@@ -252,9 +256,35 @@ class FitState:
         if graph is not None:
             parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
                          else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip
+        trees = self.trees_recorded()
+        if trees is not None:
+            parts.append(self._trees_part(*trees))
         fallbacks = {**self.fallbacks, **self._plan_fallbacks()}
         parts += [f"region {name}: fell back ({why})" for name, why in fallbacks.items()]
         return "; ".join(parts)
+
+    def trees_recorded(self) -> tuple[int, int] | None:
+        """The CUDA graphs torch's cudagraph trees recorded in this fit, and the times inductor skipped cudagraphs
+        in it, for a plan that runs them (``None`` for any other plan).
+
+        Both are process-wide counts less their values at fit start. The plan search's candidates record into the
+        same trees, and a losing candidate's graphs stay there (:meth:`Plan.release` frees only our own graph), so a
+        fit whose search ran counts its trials' graphs and skips too; :meth:`what_ran` says so. The trees keep no
+        count of replays.
+        """
+        if self.plan is None or not self.plan.cudagraph_trees:
+            return None
+        graphs, skips = _cudagraph_trees(self.setting.device)
+        return graphs - self.trees_at_start[0], skips - self.trees_at_start[1]
+
+    def _trees_part(self, graphs: int, skips: int) -> str:
+        """The summary's part on torch's cudagraph trees, e.g. ``graphs: 14 recorded by torch's cudagraph trees``."""
+        part = f"graphs: {graphs or 'none'} recorded by torch's cudagraph trees"
+        if self.decision is not None and not self.decision.cached:
+            part += ", the plan search's trials included"
+        if skips:
+            part += f' (inductor skipped cudagraphs {skips} time(s): see its "skipping cudagraphs due to ..." warnings)'
+        return part
 
     def verdict(self, history: list[dict[str, Any]]) -> str:
         if self.decision is not None and self.decision.winner == "eager" and self.dropped is None:
@@ -540,11 +570,22 @@ def epoch_extras(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModu
     graph = getattr(fit.plan, "graph", None)
     if fit.buckets is not None:
         extra["pad_waste"] = fit.buckets.waste
+    trees = fit.trees_recorded()
+    if trees is not None:
+        extra["graphs_recorded"] = float(trees[0])
     extra.update(cache_hits=hits, cache_misses=misses, graph_breaks=fit.tracker.total_graph_breaks,
                  compiled=float(fit.runs_compiled()),
                  plan_dropped=float(fit.dropped is not None),
                  graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip
     return extra
+
+
+def _cudagraph_trees(device: torch.device) -> tuple[int, int]:
+    """The CUDA graphs torch's cudagraph trees hold on ``device`` and inductor's cudagraph skips, so far in this
+    process (:func:`compat.cudagraph_tree_stats`); ``(0, 0)`` off CUDA."""
+    if device.type != "cuda":
+        return 0, 0
+    return compat.cudagraph_tree_stats(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _kernel_metrics(fit: FitState) -> dict[str, float]:

@@ -79,6 +79,9 @@ class Plan:
     records_graphs = False
     """Whether it runs CUDA graphs, which are shape-specific (one recorded per input shape; the first steps record
     them, so they are kept out of the timing)."""
+    cudagraph_trees = False
+    """Whether it runs torch's own CUDA graphs (inductor's cudagraph trees): on CUDA, in a :data:`GRAPHING_MODES`
+    mode."""
 
     def install(self) -> None:
         """Put the plan on the model."""
@@ -142,6 +145,7 @@ class Regions(Plan):
         self.name = "regions+graph" if graph else "regions"
         self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead")
         self.records_graphs = graph or setting.options.mode in GRAPHING_MODES
+        self.cudagraph_trees = setting.options.mode in GRAPHING_MODES and setting.device.type == "cuda"
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
             options = replace(options, dynamic=False)
@@ -255,8 +259,8 @@ class RegionTrees(Regions):
         >>> from lightning_fuse.regions import Region
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2))
         >>> plan = RegionTrees(Setting([Region("0", net[0])], ("net", net), CompileOptions(), torch.device("cuda")))
-        >>> plan.name, plan.tried_after, plan.records_graphs
-        ('regions+trees', 'regions+graph', True)
+        >>> plan.name, plan.tried_after, plan.records_graphs, plan.cudagraph_trees
+        ('regions+trees', 'regions+graph', True, True)
     """
 
     tried_after = "regions+graph"

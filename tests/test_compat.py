@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -118,6 +119,7 @@ def _remove_inductor_config(monkeypatch: pytest.MonkeyPatch) -> None:
         ("torch._dynamo", "lookup_backend", lambda: compat.is_backend("no-such-backend"), True),
         ("torch._inductor", "config", compat.inductor_options, None),
         ("torch.cuda", "_get_nvml_device_index", lambda: compat.nvml_device_index(3), 3),
+        ("torch._inductor.cudagraph_trees", "get_manager", lambda: compat.cudagraph_tree_stats(0)[0], 0),
     ],
 )
 def test_reporting_apis_degrade_with_exactly_one_warning(monkeypatch, owner, attribute, call, fallback) -> None:
@@ -149,6 +151,31 @@ def test_reporting_apis_work_on_this_torch() -> None:
     assert "inductor" in compat.backend_names()
     assert compat.inductor_option_type("max_autotune") is bool
     assert compat.nvml_device_index(0) >= 0
+    assert compat.cudagraph_tree_stats(0)[0] == 0  # no CUDA graphs on this machine
+
+
+def test_cudagraph_tree_stats_counts_every_node_of_the_trees_and_the_skips(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch._inductor.cudagraph_trees as trees
+
+    def node(*children: SimpleNamespace) -> SimpleNamespace:  # a recorded graph, its children by function id
+        return SimpleNamespace(children={0: list(children[:1]), 1: list(children[1:])})
+
+    def get_manager(index: int, create_if_none_exists: bool = True) -> SimpleNamespace | None:
+        assert not create_if_none_exists, "counting never makes a manager (that synchronises and captures on the GPU)"
+        return {3: manager}.get(index)
+
+    manager = SimpleNamespace(roots={0: [node(node(), node(node()))], 1: [node()]})
+    monkeypatch.setattr(trees, "get_manager", get_manager)
+    monkeypatch.setitem(compat.dynamo_counters()["inductor"], "cudagraph_skips", 2)
+    assert compat.cudagraph_tree_stats(3) == (5, 2)
+    assert compat.cudagraph_tree_stats(0) == (0, 2)  # no trees on that device
+    manager.roots = None  # what shutdown leaves
+    assert compat.cudagraph_tree_stats(3) == (0, 2)
+    del manager.roots  # a torch that keeps its trees elsewhere
+    with pytest.warns(UserWarning, match="cudagraph trees are laid out otherwise") as record:
+        assert compat.cudagraph_tree_stats(3) == (0, 2)
+        assert compat.cudagraph_tree_stats(3) == (0, 2)  # the second call is quiet
+    assert len(record) == 1
 
 
 def test_is_view_and_tree_flatten(monkeypatch: pytest.MonkeyPatch) -> None:

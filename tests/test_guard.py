@@ -1,15 +1,18 @@
 """The fallback that reaches backward (lightning_fuse.guard), and the truth about what ran (FitState.what_ran)."""
 
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_fuse import FuseCallback
+from lightning_fuse import FuseCallback, compat
 from lightning_fuse.compiler import CompileOptions
-from lightning_fuse.fit import FitState
+from lightning_fuse.fit import FitState, _cudagraph_trees, epoch_extras
 from lightning_fuse.graphs import graph_target
-from lightning_fuse.plan import Regions, Setting
+from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
 from lightning_fuse.regions import resolve_regions
+from lightning_fuse.search import Decision
 from tests.toy import ToyTask, trainer
 
 
@@ -84,3 +87,37 @@ def test_the_summary_says_a_graph_that_was_not_captured_was_not_captured():
     ran = fit.what_ran()
     assert "graph: not captured (its output holds a DynamicCache" in ran and "CUDA graph: on" not in ran
     assert plan.failure.startswith("no graph:")
+
+
+def test_the_summary_says_what_torchs_cudagraph_trees_recorded_in_the_fit(monkeypatch):
+    task = ToyTask()
+    setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"),
+                      torch.device("cuda", 0))  # fmt: skip
+    trees = {0: (17, 1)}  # the process's graphs and skips on each device now; at fit start (3, 1)
+    monkeypatch.setattr(compat, "cudagraph_tree_stats", lambda index: trees[index])
+    plan = RegionTrees(setting)
+    fit = FitState(setting=setting, candidates=[plan], plan=plan, trees_at_start=(3, 1))
+    assert fit.what_ran() == "regions+trees; graphs: 14 recorded by torch's cudagraph trees"
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert epoch_extras(fit, SimpleNamespace(world_size=1), cpu)["graphs_recorded"] == 14.0
+    fit.decision = Decision("regions+trees")  # measured now: the trials recorded into the same trees
+    assert fit.what_ran().endswith("graphs: 14 recorded by torch's cudagraph trees, the plan search's trials included")
+    fit.plan, trees[0] = Whole(setting, "reduce-overhead"), (3, 3)
+    fit.decision.cached = True
+    assert fit.what_ran() == ("reduce-overhead; graphs: none recorded by torch's cudagraph trees (inductor skipped "
+                              'cudagraphs 2 time(s): see its "skipping cudagraphs due to ..." warnings)')  # fmt: skip
+
+
+def test_the_summary_says_nothing_of_cudagraph_trees_for_other_plans_or_on_a_cpu(monkeypatch):
+    monkeypatch.setattr(compat, "cudagraph_tree_stats", lambda index: pytest.fail("no trees to count"))
+    task = ToyTask()
+    cuda = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"),
+                   torch.device("cuda", 0))  # fmt: skip
+    cpu = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"),
+                  torch.device("cpu"))  # fmt: skip
+    for setting, plan in [(cuda, Regions(cuda, graph=False)), (cuda, Whole(cuda, None)), (cpu, RegionTrees(cpu))]:
+        fit = FitState(setting=setting, candidates=[plan], plan=plan)
+        assert "cudagraph trees" not in fit.what_ran() and fit.trees_recorded() is None
+        assert "graphs_recorded" not in epoch_extras(fit, SimpleNamespace(world_size=1),
+                                                     SimpleNamespace(device=torch.device("cpu")))  # fmt: skip
+    assert _cudagraph_trees(torch.device("cpu")) == (0, 0)  # a CPU fit's baseline: nothing looked up

@@ -54,6 +54,14 @@ def test_explicit_settings_force_one_plan_and_refuse_a_graph_with_several_proces
         forced_plan(setting_for(task, CUDA, world_size=2), "auto", True)
 
 
+def test_the_plans_that_run_torchs_cudagraph_trees_are_those_in_a_graphing_mode_on_cuda():
+    task = ToyTask()
+    on_cuda = {p.name: p.cudagraph_trees for p in candidates(setting_for(task, CUDA))}
+    assert [name for name, trees in on_cuda.items() if trees] == ["reduce-overhead", "regions+trees"]
+    assert forced_plan(setting_for(task, CUDA), "max-autotune", "auto").cudagraph_trees
+    assert not Whole(setting_for(task), "reduce-overhead").cudagraph_trees  # on CPU inductor records no graphs
+
+
 def test_a_plan_installs_and_uninstalls_itself_in_place():
     task = ToyTask()
     plan = Whole(setting_for(task), None)
