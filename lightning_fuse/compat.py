@@ -99,6 +99,8 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting the CUDA graphs of torch's cudagraph trees",
                    required=False),
         PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
+        PrivateAPI("torch._dynamo.eval_frame.OptimizedModule", "recognising a network the user compiled before the "
+                   "fit", required=False),
         PrivateAPI("torch.Tensor._is_view", "releasing a CUDA graph capture's autograd graph"),
         PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "letting activation checkpointing's early stop "
                    "pass through compiled regions", required=False),
@@ -560,6 +562,22 @@ def inductor_option_type(name: str) -> Any:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Small helpers for compiler.py, graphs.py and gpu.py.
+
+
+def is_compile_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns: a wrapper holding the original network.
+
+    Why private: torch has no public class for it; ``OptimizedModule`` is what ``torch.compile`` returns for a module.
+    Without it, the wrapper is recognised by the original it holds (``_orig_mod``).
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> is_compile_wrapper(torch.compile(net, backend="eager")), is_compile_wrapper(net)
+        (True, False)
+    """
+    wrapper = _optional("torch._dynamo.eval_frame.OptimizedModule", None)
+    return isinstance(module, wrapper) if wrapper is not None else hasattr(module, "_orig_mod")
 
 
 def is_view(tensor: torch.Tensor) -> bool:

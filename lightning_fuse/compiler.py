@@ -39,6 +39,8 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 """torch.compile modes that record torch's own CUDA graphs, one per input shape."""
 LIMIT_ACTIONS = ("eager", "dynamic")
+DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
+"""torch's dropout layers (their common base, ``_DropoutNd``, is private)."""
 
 # (rtol, atol) for comparing a compiled region with eager; compilers reorder float math.
 TOLERANCES = {
@@ -282,7 +284,7 @@ def _changes_in_training(module: nn.Module) -> bool:
     if next(module.buffers(), None) is not None:
         return True
     for sub in module.modules():
-        if isinstance(sub, nn.modules.dropout._DropoutNd) and sub.p > 0:
+        if isinstance(sub, DROPOUTS) and sub.p > 0:
             return True
         if isinstance(sub, nn.MultiheadAttention) and sub.dropout > 0:
             return True

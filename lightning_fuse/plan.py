@@ -297,7 +297,7 @@ class UserCompiled(Plan):
 
 def user_compiled(root: nn.Module) -> list[nn.Module]:
     """The submodules of ``root`` the user compiled before the fit (``Module.compile`` or ``torch.compile``)."""
-    return [m for m in root.modules() if compat.compiled_call_impl(m) is not None or hasattr(m, "_orig_mod")]
+    return [m for m in root.modules() if compat.compiled_call_impl(m) is not None or compat.is_compile_wrapper(m)]
 
 
 def candidates(setting: Setting) -> list[Plan]:
