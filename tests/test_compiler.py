@@ -54,6 +54,7 @@ def test_compiled_output_matches_eager():
     expected = net(x)
     runners, tracker = compiled(net, backend="aot_eager")
     torch.testing.assert_close(net(x), expected)
+    assert all(r.is_compiled for r in runners) and tracker.stats("blocks.0").compiles >= 1  # the compiled code ran
     tracker.remove()
 
 

@@ -50,7 +50,9 @@ from tests.user_models import (
 def test_activation_checkpointing_in_user_blocks(monkeypatch, use_reentrant, winner):
     pin_search(monkeypatch, winner)
     make = lambda: ClassifierTask(BlockNet(use_reentrant=use_reentrant))
-    fused, eager, cb = fused_and_eager(make, winner)
+    fused, eager, cb = fused_and_eager(make)
+    assert_plan_ran(cb, winner)
+    assert_same_training(fused, eager)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -71,6 +73,8 @@ def test_hf_gradient_checkpointing(monkeypatch, use_reentrant):
 def test_frozen_backbone(monkeypatch):
     pin_search(monkeypatch)
     fused, eager, cb = fused_and_eager(FrozenBackboneTask)
+    assert_plan_ran(cb, "regions")
+    assert_same_training(fused, eager)
     L.seed_everything(0, verbose=False)  # as fit() does before building the task
     initial = FrozenBackboneTask().state_dict()
     for name, value in fused.task.state_dict().items():
@@ -84,6 +88,8 @@ def test_peft_lora_adapter(monkeypatch):
     pin_search(monkeypatch)
     make = lambda: HFTask(lora_gpt2())
     fused, eager, cb = fused_and_eager(make)
+    assert_plan_ran(cb, "regions")
+    assert_same_training(fused, eager)
     trainable = {n for n, p in fused.task.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
 
