@@ -27,15 +27,15 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_fuse import compat, gpu
-from lightning_fuse.compiler import plain_eager
+from lightning_fuse.compiler import RECOMPILE_LIMIT, plain_eager
 from lightning_fuse.fit import FitState, activate_plan, end_epoch, fit_setting, report, start_cache
 from lightning_fuse.metrics import scalars
-from lightning_fuse.options import FuseOptions
+from lightning_fuse.options import AUTO, FuseOptions
 from lightning_fuse.plan import Plan
 from lightning_fuse.regions import Target, format_plan
 from lightning_fuse.running_guard import window_speedup
 from lightning_fuse.shapes import CompileTracker, DimSpec
-from lightning_fuse.timing import SKIPPED, UNKNOWN_EPOCH_STEPS
+from lightning_fuse.timing import REFERENCE_BUDGET, SKIPPED, UNKNOWN_EPOCH_STEPS
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -101,22 +101,22 @@ class FuseCallback(Callback):
 
     def __init__(
         self,
-        targets: Target | Sequence[Target] = "auto",
+        targets: Target | Sequence[Target] = AUTO,
         exclude: Target | Sequence[Target] = (),
-        mode: str = "auto",
+        mode: str = AUTO,
         backend: str | Callable[..., Any] = "inductor",
         fullgraph: bool = False,
         dynamic: bool | None = None,
         options: Mapping[str, Any] | None = None,
-        cuda_graph: bool | str = "auto",
-        dynamic_dims: str | DimSpec | None = "auto",
+        cuda_graph: bool | str = AUTO,
+        dynamic_dims: str | DimSpec | None = AUTO,
         verify: bool = True,
         cache_dir: str | os.PathLike | bool | None = None,
-        recompile_limit: int = 8,
+        recompile_limit: int = RECOMPILE_LIMIT,
         on_recompile_limit: str = "eager",
         warmup_steps: int | None = None,
         eager_steps: int = 20,
-        reference_budget: float = 0.02,
+        reference_budget: float = REFERENCE_BUDGET,
         gpu_sample_hz: float = 10.0,
         profile_steps: int = 0,
         length_fn: Callable[[Any], int] | None = None,
@@ -275,7 +275,7 @@ class FuseCallback(Callback):
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone
         dropped its plan, so that the collective deciding it is called on all of them."""
         plan = self.fit.plan
-        return self.options.mode == "auto" and plan is not None and plan.owned
+        return self.options.mode == AUTO and plan is not None and plan.owned
 
     def _drop_plan_below_margin(self, speedup: float | None, when: str) -> None:
         if speedup is not None and speedup < SLOWER_THAN_EAGER and self.fit.plan.name != "eager":

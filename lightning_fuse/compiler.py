@@ -39,6 +39,8 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 """torch.compile modes that record torch's own CUDA graphs, one per input shape."""
 LIMIT_ACTIONS = ("eager", "dynamic")
+RECOMPILE_LIMIT = 8
+"""Compiles a region may make beyond its first before ``on_recompile_limit`` applies (the default)."""
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 """torch's dropout layers (their common base, ``_DropoutNd``, is private)."""
 
@@ -86,7 +88,7 @@ class RegionPolicy:
     """
 
     verify: bool = True
-    recompile_limit: int = 8
+    recompile_limit: int = RECOMPILE_LIMIT
     on_recompile_limit: str = "eager"
     dynamic_sizes: set[tuple[int, int]] = field(default_factory=set)
     """The batch's ``(dim, size)`` pairs marked dynamic this step; carried onto region inputs."""

@@ -35,7 +35,7 @@ from lightning_fuse.kv_cache import NoCacheInTraining
 from lightning_fuse.metrics import count_items, epoch_metrics, measure_only_line, per_rank, summary_table, verdict_line
 from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, for_varying_shapes, forced_plan, user_compiled
 from lightning_fuse.profiling import ProfileWindow
-from lightning_fuse.regions import resolve_regions
+from lightning_fuse.regions import AUTO, resolve_regions
 from lightning_fuse.running_guard import PLAN, RunningGuard
 from lightning_fuse.search import Consensus, Decision, PlanSearch, TrialCall, decision_path, sandbox
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, mark_dims,
@@ -121,7 +121,7 @@ class FitState:
     def start(cls, options: FuseOptions, trainer: pl.Trainer, pl_module: pl.LightningModule,
               setting: Setting) -> FitState:  # fmt: skip
         """A fit's state at its start: the candidates built, the timer and schedule ready, inputs being recorded."""
-        searching = options.mode == "auto" and options.cuda_graph == "auto" and options.targets in ("auto", ("auto",))
+        searching = options.mode == AUTO and options.cuda_graph == AUTO and options.targets in (AUTO, (AUTO,))
         searching = searching and not _is_sharded(trainer)
         precompiled = user_compiled(pl_module)
         fit = cls(options=options, setting=setting, searching=searching and not precompiled, tracker=setting.tracker)

@@ -22,12 +22,10 @@ from typing import Any, get_origin
 
 from lightning_fuse.buckets import PadToBuckets
 from lightning_fuse.compat import backend_names, inductor_option_type, inductor_options, is_backend
-from lightning_fuse.compiler import LIMIT_ACTIONS, MODES
-from lightning_fuse.regions import Target, normalize_targets
+from lightning_fuse.compiler import LIMIT_ACTIONS, MODES, RECOMPILE_LIMIT
+from lightning_fuse.regions import AUTO, Target, normalize_targets
 from lightning_fuse.shapes import DimSpec, DynamicDims
-from lightning_fuse.timing import check_reference_budget
-
-AUTO = "auto"
+from lightning_fuse.timing import REFERENCE_BUDGET, check_reference_budget
 
 
 @dataclass(kw_only=True)
@@ -51,11 +49,11 @@ class FuseOptions:
     dynamic_dims: str | DimSpec | None = AUTO
     verify: bool = True
     cache_dir: str | os.PathLike | bool | None = None
-    recompile_limit: int = 8
+    recompile_limit: int = RECOMPILE_LIMIT
     on_recompile_limit: str = "eager"
     warmup_steps: int | None = None
     eager_steps: int = 20
-    reference_budget: float = 0.02
+    reference_budget: float = REFERENCE_BUDGET
     pad_buckets: Sequence[int] | None = None
     gpu_sample_hz: float = 10.0
     profile_steps: int = 0

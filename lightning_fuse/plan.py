@@ -30,10 +30,8 @@ from torch import nn
 from lightning_fuse import compat
 from lightning_fuse.compiler import GRAPHING_MODES, CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
 from lightning_fuse.graphs import GraphedModule, syncs_between_regions, syncs_when_compiled
-from lightning_fuse.regions import Region
+from lightning_fuse.regions import AUTO, Region
 from lightning_fuse.shapes import CompileTracker
-
-AUTO = "auto"
 
 
 @dataclass

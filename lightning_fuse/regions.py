@@ -25,6 +25,8 @@ from torch import nn
 from lightning_fuse.compat import fsdp_wrapped_module
 
 AUTO = "auto"
+"""The value of every setting FuseCallback decides itself (targets, mode, cuda_graph, dynamic_dims): defined here,
+the lowest module that needs it, once."""
 FULL = "full"
 
 Target = str | type

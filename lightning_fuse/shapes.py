@@ -31,8 +31,8 @@ from lightning_fuse.compat import (
     register_compile_callbacks,
     remove_compile_callbacks,
 )
+from lightning_fuse.regions import AUTO
 
-AUTO = "auto"
 DimSpec = Mapping[str | int, Sequence[int]]
 ModeKey = tuple[bool, bool, bool]
 """(module.training, grad enabled, inference mode): each combination legitimately has its own graph."""
