@@ -290,7 +290,7 @@ class FitState:
         if self.decision is not None and self.decision.winner == "eager" and self.dropped is None:
             return self._eager_verdict()
         last = history[-1] if history else {}
-        if self.plan is not None and self.plan.owned and not self.plan.modules() and self.decision is None:
+        if self._measures_only():
             return measure_only_line(last.get("fuse/step_ms"))
         return verdict_line(self.plan_name(), history, self.tracker.total_s,
                             break_even_step=last.get("fuse/break_even_step"), dropped=self.dropped,
@@ -298,6 +298,11 @@ class FitState:
                             eager_steps=self.options.eager_steps if self.options else None,
                             reference_steps=len(self.pool.samples),
                             reference_cost=self.reference_ms / self.train_ms if self.train_ms else None)  # fmt: skip
+
+    def _measures_only(self) -> bool:
+        """Eager by design: nothing selected to compile and no search (a dropped plan leaves an eager plan too)."""
+        plan = self.plan
+        return plan is not None and plan.owned and not plan.modules() and self.decision is None and not self.dropped
 
     def _eager_verdict(self) -> str:
         """The search kept eager: say how the best candidate measured against it, and what finding out cost."""
