@@ -553,8 +553,8 @@ def report(fit: FitState, trainer: pl.Trainer, history: list[dict[str, Any]]) ->
 def _logging_reaches_terminal(logger: logging.Logger) -> bool:
     """Whether ``logger``'s INFO records are written to stdout or stderr by a handler (Hydra's console handler)."""
     terminal = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
-    current: logging.Logger | None = logger
-    while current is not None and logger.isEnabledFor(logging.INFO):
+    current: logging.Logger | None = logger if logger.isEnabledFor(logging.INFO) else None
+    while current is not None:
         if any(isinstance(handler, logging.StreamHandler) and handler.stream in terminal
                and handler.level <= logging.INFO for handler in current.handlers):  # fmt: skip
             return True

@@ -307,14 +307,9 @@ def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None])
     installed = compat.compiled_call_impl(module)
     compat.set_compiled_call_impl(module, torch.compile(compat.plain_call(module), backend="eager"))
     try:
-        forward_backward()
-        with host_syncs_raise(on_cuda):
-            forward_backward()
-    except RuntimeError as err:
-        return describe_error(err)
+        return _sync_on_second_call(forward_backward, on_cuda)
     finally:
         compat.set_compiled_call_impl(module, installed)
-    return None
 
 
 def syncs_between_regions(
@@ -336,18 +331,30 @@ def syncs_between_regions(
     """
     if not on_cuda:
         return None
-    forward_backward()
-    handles = [handle for region in regions for handle in (
-        region.register_forward_pre_hook(lambda *_: torch.cuda.set_sync_debug_mode("default"), prepend=True),
-        region.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode("error")))]  # fmt: skip
+    modes: list[int] = []  # the mode each running region's forward interrupted, restored at its end
+
+    def allow(*_: Any) -> None:
+        modes.append(torch.cuda.get_sync_debug_mode())
+        torch.cuda.set_sync_debug_mode("default")
+
+    handles = [handle for region in regions for handle in (region.register_forward_pre_hook(allow, prepend=True),
+               region.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode(modes.pop())))]  # fmt: skip
     try:
-        with host_syncs_raise(True):
-            forward_backward()
-    except RuntimeError as err:
-        return describe_error(err)
+        return _sync_on_second_call(forward_backward, on_cuda)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) -> str | None:
+    """Run ``forward_backward`` once (first calls trace, build lazy buffers), then again with host syncs raising
+    (on CUDA): the sync that raised, described, or ``None``."""
+    try:
+        forward_backward()
+        with host_syncs_raise(on_cuda):
+            forward_backward()
+    except RuntimeError as err:
+        return describe_error(err)
     return None
 
 
