@@ -54,7 +54,10 @@ def environment() -> dict[str, str]:
 
 
 def _commit() -> str | None:
-    """The checkout's commit, with ``+dirty`` where files differ from it (``None`` outside a git checkout)."""
+    """The checkout's commit, with ``+dirty`` where files differ from it (``None`` outside a git checkout), or
+    ``$BENCH_COMMIT`` where set: a machine handed a copy of the tree may have a ``.git`` whose HEAD is not it."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()  # fmt: skip

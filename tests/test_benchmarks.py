@@ -267,3 +267,11 @@ def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
     _check([record], multi_gpu.FIELDS, 1)
     assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["step_ms"] > 0
     assert record["final_loss"] > 0
+
+
+def test_a_record_names_the_commit_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine handed a copy of the tree may have a stale ``.git``: ``$BENCH_COMMIT`` names the commit sent."""
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    assert harness.environment()["commit"] == "abc1234"
+    monkeypatch.delenv("BENCH_COMMIT")
+    assert harness.environment()["commit"] != "abc1234"
