@@ -1,4 +1,4 @@
-"""DDP and FSDP on 2 GPUs: does FuseCallback's plan pay with several processes? (``eager``, ``compile``, ``fuse``)
+"""DDP and FSDP on 2 GPUs: does FuseCallback's plan pay with several processes? (``models.VARIANTS``)
 
 Each (model, strategy, batch, variant) is one launch: Lightning starts the second process itself
 (``Trainer(devices=2, strategy="ddp"|"fsdp")``, FSDP with one unit per repeated block). ``batch_size`` is per
@@ -17,8 +17,8 @@ import harness
 import models
 from lightning.pytorch.strategies import FSDPStrategy
 
-FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "final_loss", "error")
-VARIANTS = ("eager", "compile", "fuse")
+FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "final_loss", "plan", "ran", "search", "error")
+VARIANTS = models.VARIANTS
 
 
 def measure(spec: dict) -> dict:
