@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles", "plan",
-          "error")
+          "graphs", "ran", "error")
 HF, VISION = ("llama",), ("resnet50",)
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead")
 

@@ -260,7 +260,7 @@ class GraphedModule:
 
     def _capture(self, signature: tuple, leaves: list[Any], args: tuple, kwargs: dict) -> None:
         flat = FlatCall(self.module, self.run_inner, args, kwargs)
-        tensors = flat.pick(leaves)
+        tensors = static_inputs(flat.pick(leaves))
         self._capturing = True  # the capture calls the module: those calls must reach the inner module
         try:
             with restored_on_failure(self.module):
@@ -356,6 +356,21 @@ def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) ->
     except RuntimeError as err:
         return describe_error(err)
     return None
+
+
+def static_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The graph's own input buffers, copies of the capture call's inputs: every replay copies its inputs into
+    them, so they must not be the caller's tensors (a batch kept on the device, a slice of a dataset held there,
+    would be overwritten by each later batch).
+
+    Example::
+
+        >>> batch = torch.ones(2, requires_grad=True)
+        >>> (copy,) = static_inputs([batch])
+        >>> copy.data_ptr() != batch.data_ptr(), copy.requires_grad, copy.is_leaf
+        (True, True, True)
+    """
+    return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
 
 
 def _forward_backward(flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:

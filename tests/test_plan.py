@@ -145,6 +145,34 @@ def test_kwargs_and_pytree_outputs_go_through_the_graph_and_come_back_whole(kind
     assert net._compiled_call_impl is None
 
 
+def static_buffer_capture(flat, tensors, num_warmup_iters):
+    """As make_graphed_callables does: the sample inputs are the graph's input buffers, each replay copies its
+    inputs into them (unless it is handed those very buffers) and computes from them."""
+
+    def replay(*inputs):
+        for static, given in zip(tensors, inputs):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        return flat(*tensors)
+
+    return replay
+
+
+def test_replays_never_write_into_the_batches_a_user_keeps_on_the_device():
+    net = KwargsNet("dict")
+    graphed = GraphedModule("net", net, capture=static_buffer_capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    data = torch.randint(0, 10, (2, 2, 5))  # two batches held in memory, slices of one tensor, as a GPU dataset
+    kept = data.clone()
+    losses = [net(input_ids=data[i % 2])["loss"] for i in range(4)]
+    assert graphed.captured and graphed.replays == 4
+    assert torch.equal(data, kept)  # the capture batch was copied, not made the graph's buffer
+    for i, loss in enumerate(losses):
+        torch.testing.assert_close(loss, type(net).forward(net, data[i % 2])["loss"])
+    graphed.uninstall()
+
+
 def test_an_output_holding_a_non_tensor_object_is_left_uncaptured_with_its_reason():
     net, log = KwargsNet("cache"), []
     graphed = GraphedModule("net", net, capture=fake_capture(log), on_device=lambda t: True)
