@@ -56,11 +56,14 @@ class Task(pl.LightningModule):
         data: The batches; moved to the device at fit start, so no step copies its inputs.
         lr: AdamW's learning rate.
         scheduler: Step a warmup-then-cosine ``LambdaLR`` every step.
+        fused: A fused AdamW on CUDA (Lightning refuses to clip a fused optimizer's gradients under mixed precision).
     """
 
-    def __init__(self, net: nn.Module, loss_fn: Callable, data: Batches, lr: float = 3e-4, scheduler: bool = False):
+    def __init__(self, net: nn.Module, loss_fn: Callable, data: Batches, lr: float = 3e-4, scheduler: bool = False,
+                 fused: bool = True) -> None:  # fmt: skip
         super().__init__()
         self.model, self.loss_fn, self.data, self.lr, self.scheduler = net, loss_fn, data, lr, scheduler
+        self.fused = fused
 
     def on_fit_start(self) -> None:
         self.data.to(self.device)
@@ -70,7 +73,7 @@ class Task(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, fused=self.device.type == "cuda")
+        optimizer = torch.optim.AdamW(params, lr=self.lr, fused=self.fused and self.device.type == "cuda")
         if not self.scheduler:
             return optimizer
         total = max(self.trainer.max_steps, 1)

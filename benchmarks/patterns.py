@@ -118,6 +118,11 @@ def buckets(task: models.Task, spec: dict) -> dict:
     return {"fuse": {"pad_buckets": (8, 16) if spec["smoke"] else (64, 128, 256, 512)}}
 
 
+def clipped(task: models.Task, spec: dict) -> None:
+    """Lightning clips under mixed precision only an optimizer that is not fused (fused AdamW unscales itself)."""
+    task.fused = False
+
+
 def nothing(task: models.Task, spec: dict) -> None:
     """The pattern lives in the Trainer's arguments."""
 
@@ -128,7 +133,7 @@ PATTERNS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Callable, dict]] = {
     "lora": (HF, ALL_VARIANTS, lora, {}),
     "frozen_backbone": (HF + VISION, ALL_VARIANTS, frozen_backbone, {}),
     "two_optimizers": (HF + VISION, ALL_VARIANTS, nothing, {"optimizers": 2}),
-    "accumulate_clip": (HF + VISION, ALL_VARIANTS, nothing, {"accumulate_grad_batches": 4, "gradient_clip_val": 1.0}),
+    "accumulate_clip": (HF + VISION, ALL_VARIANTS, clipped, {"accumulate_grad_batches": 4, "gradient_clip_val": 1.0}),
     "fp16_scaler": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "16-mixed"}),
     "bf16_true": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "bf16-true"}),
     "precompiled": (HF + VISION, ("eager", "fuse"), precompiled, {}),
