@@ -104,6 +104,7 @@ class FlatCall(nn.Module):
         self._in_constants = leaves
         self._out_spec: Any = None
         self._out_leaves: list[tuple[bool, Any]] = []  # (is a tensor, the plain value)
+        self.trained = [p for p in module.parameters() if p.requires_grad]
 
     def tensors(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
         return self.pick(compat.tree_leaves((args, kwargs)))
@@ -240,6 +241,7 @@ class GraphedModule:
         if signature not in self._graphs:
             return self.run_inner(*args, **kwargs)
         flat, graphed = self._graphs[signature]
+        own_kept_gradients(flat.trained)
         try:
             out = flat.rebuild(graphed(*flat.pick(leaves)))
         except Exception as err:  # noqa: BLE001 - a replay that fails costs the graph, never the run
@@ -356,6 +358,26 @@ def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) ->
     except RuntimeError as err:
         return describe_error(err)
     return None
+
+
+def own_kept_gradients(params: Sequence[nn.Parameter]) -> None:
+    """Give every gradient still held before a replay memory of its own.
+
+    A replay's backward writes the parameters' gradients into the graph's own buffers, and autograd keeps such a
+    buffer as the ``.grad`` of a parameter that had none. A gradient that outlives its step (accumulated over
+    micro-batches, or zeroed in place rather than set to ``None``) would be overwritten by the next replay before
+    the new gradient is added to it. After ``zero_grad()``'s default (``None``) there is nothing to copy.
+
+    Example::
+
+        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2); held = p.grad
+        >>> own_kept_gradients([p])
+        >>> p.grad.data_ptr() != held.data_ptr(), p.grad.tolist()
+        (True, [1.0, 1.0])
+    """
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad.clone()
 
 
 def static_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

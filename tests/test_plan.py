@@ -173,6 +173,52 @@ def test_replays_never_write_into_the_batches_a_user_keeps_on_the_device():
     graphed.uninstall()
 
 
+def grad_buffer_capture(flat, tensors, num_warmup_iters):
+    """As make_graphed_callables replays a backward: the parameters' gradients are written into the graph's own
+    buffers and handed to autograd detached, so that a parameter without a gradient keeps the buffer itself."""
+    params = [p for p in flat.parameters() if p.requires_grad]
+    buffers = [torch.zeros_like(p) for p in params]
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            ctx.inputs = inputs[: len(tensors)]
+            return tuple(out.detach() for out in flat(*ctx.inputs))
+
+        @staticmethod
+        def backward(ctx, *grad_outputs):
+            with torch.enable_grad():
+                outs = flat(*ctx.inputs)
+                pairs = [(out, grad) for out, grad in zip(outs, grad_outputs) if out.requires_grad]
+                grads = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
+            for buffer, grad in zip(buffers, grads):
+                buffer.copy_(grad)
+            return (None,) * len(tensors) + tuple(buffer.detach() for buffer in buffers)
+
+    return lambda *inputs: Replay.apply(*inputs, *params)
+
+
+@pytest.mark.parametrize("zero", ["accumulate", "in_place"])
+def test_gradients_kept_across_replays_are_never_overwritten_by_the_next_one(zero):
+    torch.manual_seed(0)
+    net = KwargsNet("dict")
+    twin = copy.deepcopy(net)  # the same steps without any graph
+    graphed = GraphedModule("net", net, capture=grad_buffer_capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    batches = [torch.randint(0, 10, (2, 5)) for _ in range(4)]
+    for i, ids in enumerate(batches):  # two steps of two micro-batches, or four steps zeroed in place
+        if zero == "in_place" or i % 2 == 0:
+            for model in (net, twin):
+                model.zero_grad(set_to_none=zero == "accumulate")
+        net(input_ids=ids)["loss"].backward()
+        type(twin).forward(twin, ids)["loss"].backward()
+    assert graphed.replays == 4
+    for got, want in zip(net.parameters(), twin.parameters()):
+        torch.testing.assert_close(got.grad, want.grad)
+    graphed.uninstall()
+
+
 def test_an_output_holding_a_non_tensor_object_is_left_uncaptured_with_its_reason():
     net, log = KwargsNet("cache"), []
     graphed = GraphedModule("net", net, capture=fake_capture(log), on_device=lambda t: True)
