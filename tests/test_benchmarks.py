@@ -94,6 +94,16 @@ def test_zoo_cold_and_warm_and_the_table(tmp_path: Path, in_process) -> None:
     assert harness.main(["table", str(out)]) == 0
 
 
+def test_a_compiling_variant_left_out_of_cold_runs_once_and_its_setup_is_the_cold_one(tmp_path: Path, in_process):
+    import zoo
+
+    out = tmp_path / "zoo.jsonl"
+    args = ["--smoke", "--models", "gpt", "--batches", "small", "--variants", "fuse", "--cold", "", "--out"]
+    assert zoo.main([*args, str(out)]) == 0
+    (record,) = _records(out)
+    assert record["setup_s_cold"] > 0 and record.get("setup_s_warm") is None, "one process, on an empty cache"
+
+
 def test_regional_finds_the_repeated_blocks() -> None:
     from recipes.models import GPT, resnet18_cifar
 
