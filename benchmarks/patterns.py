@@ -73,12 +73,15 @@ class MoE(nn.Module):
 
 
 def varying_length(task: models.Task, spec: dict) -> None:
-    """Batches padded to their longest sequence (lengths 1/8 to all of the model's), padding masked out."""
+    """Batches padded to their longest sequence, padding masked out. Each batch's longest row is drawn from 1/8 to
+    all of the model's length (so that the batches spread over ``pad_buckets``' sizes), its other rows from half
+    that to all of it."""
     batches = []
     for batch in task.data.batches * 4:  # 16 distinct lengths
         ids = batch["input_ids"]
-        lengths = torch.randint(ids.shape[1] // 8, ids.shape[1] + 1, (ids.shape[0],))
-        longest = int(lengths.max())
+        longest = int(torch.randint(ids.shape[1] // 8, ids.shape[1] + 1, ()))
+        lengths = torch.randint(longest // 2, longest + 1, (ids.shape[0],))
+        lengths[0] = longest
         mask = (torch.arange(longest) < lengths[:, None]).long()
         batches.append({"input_ids": ids[:, :longest], "attention_mask": mask,
                         "labels": ids[:, :longest].masked_fill(mask == 0, -100)})  # fmt: skip
