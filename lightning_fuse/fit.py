@@ -32,14 +32,14 @@ from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_tr
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.guard import BackwardGuard
 from lightning_fuse.kv_cache import NoCacheInTraining
-from lightning_fuse.metrics import count_items, epoch_metrics, measure_only_line, per_rank, summary_table, verdict_line
+from lightning_fuse.metrics import epoch_metrics, measure_only_line, per_rank, summary_table, verdict_line
 from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, for_varying_shapes, forced_plan, user_compiled
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import AUTO, resolve_regions
 from lightning_fuse.running_guard import PLAN, RunningGuard
 from lightning_fuse.search import Consensus, Decision, PlanSearch, TrialCall, decision_path, sandbox
-from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, mark_dims,
-                                   mark_region_inputs)
+from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
+                                   mark_dims, mark_region_inputs)
 from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN, SKIPPED, EagerSchedule, ReferencePool, StepTimer, summarize
 
 if TYPE_CHECKING:
