@@ -13,12 +13,10 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +27,7 @@ from lightning_fuse.buckets import PadToBuckets, suggest_buckets
 from lightning_fuse.cache import CompileCache, cache_counters, cache_key
 from lightning_fuse.call_shapes import CallShapes
 from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_training
+from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.guard import BackwardGuard
 from lightning_fuse.kv_cache import NoCacheInTraining
@@ -37,7 +36,7 @@ from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, for_var
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import AUTO, resolve_regions
 from lightning_fuse.running_guard import PLAN, RunningGuard
-from lightning_fuse.search import Consensus, Decision, PlanSearch, TrialCall, decision_path, sandbox
+from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims, mark_region_inputs)
 from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN, SKIPPED, EagerSchedule, ReferencePool, StepTimer, summarize
@@ -112,7 +111,7 @@ class FitState:
     saved_recompile_limit: int | None = None
     fallbacks: dict[str, str] = field(default_factory=dict)
     buckets: PadToBuckets | None = None
-    decision_file: Path | None = None
+    decision_file: DecisionFile | None = None
     """Where the plan search's decision is cached (``None``: no cache, or no search)."""
     no_cache: NoCacheInTraining | None = None
     _recorder: Any = None
@@ -335,7 +334,7 @@ class FitState:
         self.uninstall_plan()
         self.plan, self.dropped = Plan(), f"{reason} (step {self.steps})"
         if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
-            self.decision_file.unlink(missing_ok=True)
+            self.decision_file.forget()
 
     def uninstall_plan(self) -> None:
         if self.plan is not None:
@@ -409,12 +408,14 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
         plan = fit.candidates[0]
         plan.reason = f"the network {fit.setting.target[0]!r} was not called in a training step, so nothing to measure"
     else:
-        fit.decision_file = decision_path(fit.cache.directory, _decision_key(fit)) if fit.cache else None
-        fit.decision = _cached_decision(fit) or _search(fit, trainer)
+        fit.decision_file = _decision_file(fit)
+        cached = fit.decision_file.load([p.name for p in fit.candidates]) if fit.decision_file else None
+        fit.decision = cached or _search(fit, trainer)
         plan = next(p for p in fit.candidates if p.name == fit.decision.winner)
         plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
-        _announce(fit.decision, trainer)
-        _store_decision(fit, trainer)
+        announce(fit.decision, trainer.loggers if trainer.is_global_zero else [])
+        if fit.decision_file is not None and trainer.is_global_zero:
+            fit.decision_file.store(fit.decision)
     fit.recorded = None
     for loser in fit.candidates:
         if loser is not plan:
@@ -424,6 +425,13 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
     if plan.name == "eager" and fit.decision is not None:
         fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
         fit.schedule.plan_epoch(fit.steps, 1, 0)  # and the chunks already placed in this epoch go
+
+
+def _decision_file(fit: FitState) -> DecisionFile | None:
+    """Where the decision for the recorded inputs is cached, beside the compile cache (``None``: no cache)."""
+    if fit.cache is None:
+        return None
+    return DecisionFile(fit.cache.directory, decision_key(fit.recorded, fit.varying_dims, fit.setting.world_size))
 
 
 def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
@@ -443,14 +451,6 @@ def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
     search = PlanSearch(fit.candidates, consensus, reference=call.last if deterministic else None)
     with sandbox(module):
         return search.run(call)
-
-
-def _decision_key(fit: FitState) -> str:
-    """The recorded inputs' signature: shapes (a varying dim as -1, so any length finds it) and dtypes."""
-    leaves = [leaf for leaf in compat.tree_leaves(fit.recorded) if isinstance(leaf, torch.Tensor)]
-    shapes = [tuple(-1 if dim in fit.varying_dims else size for dim, size in enumerate(t.shape)) for t in leaves]
-    shapes = repr([(shape, t.dtype) for shape, t in zip(shapes, leaves)]) + repr(fit.setting.world_size)
-    return hashlib.sha256(shapes.encode()).hexdigest()[:16]
 
 
 def _hold_over_varying_shapes(fit: FitState) -> None:
@@ -484,36 +484,6 @@ def _varying_shapes_note(shapes: CallShapes, left_out: list[str], buckets: int) 
                  f"FuseCallback(pad_buckets={suggest_buckets(lengths)}) (from the lengths seen; extend it to your "
                  "longest sequence)")  # fmt: skip
     return note + "."
-
-
-def _cached_decision(fit: FitState) -> Decision | None:
-    if fit.decision_file is None:
-        return None
-    try:
-        decision = Decision.from_json(fit.decision_file.read_text())
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return decision if any(plan.name == decision.winner for plan in fit.candidates) else None
-
-
-def _store_decision(fit: FitState, trainer: pl.Trainer) -> None:
-    if fit.decision_file is not None and trainer.is_global_zero and not fit.decision.cached:
-        fit.decision_file.parent.mkdir(parents=True, exist_ok=True)
-        fit.decision_file.write_text(fit.decision.to_json())
-
-
-def _announce(decision: Decision, trainer: pl.Trainer) -> None:
-    """Print the decision once, and write it to TensorBoard as text and as scalars."""
-    how = "from the cached decision" if decision.cached else "by measurement (median ms per forward+backward)"
-    rank_zero_info(f"FuseCallback: plan {decision.winner!r} chosen {how}:\n  " + "\n  ".join(decision.lines()))
-    if not trainer.is_global_zero:
-        return
-    scalars = {f"fuse/search_ms/{t.name}": t.ms for t in decision.trials if t.ms is not None}
-    for logger in trainer.loggers:
-        logger.log_metrics(scalars, step=0)
-        experiment = getattr(logger, "experiment", None)
-        if hasattr(experiment, "add_text"):
-            experiment.add_text("fuse/plan_search", "    " + "\n    ".join(decision.lines()), global_step=0)
 
 
 def end_epoch(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.compiler import CompiledRegion
+from lightning_fuse.decision import Decision
 from lightning_fuse.running_guard import RunningGuard, window_speedup
-from lightning_fuse.search import Decision
 from lightning_fuse.timing import StepTimer
 from tests.toy import ToyTask, trainer
 

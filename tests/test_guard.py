@@ -8,11 +8,11 @@ import torch
 
 from lightning_fuse import FuseCallback, compat
 from lightning_fuse.compiler import CompileOptions
+from lightning_fuse.decision import Decision
 from lightning_fuse.fit import FitState, _cudagraph_trees, epoch_extras
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
 from lightning_fuse.regions import resolve_regions
-from lightning_fuse.search import Decision
 from tests.toy import ToyTask, trainer
 
 
