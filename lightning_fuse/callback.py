@@ -210,7 +210,7 @@ class FuseCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
         fit = self.fit
-        graph = getattr(fit.plan, "graph", None)
+        graph = fit.graph
         compiled_now = fit.tracker.total_compiles != fit.step_compiles
         captured_now = graph is not None and graph.captured_during_last_call
         fit.timer.stop(SKIPPED if compiled_now or captured_now else fit.step_kind)

@@ -44,6 +44,7 @@ from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN, SKIPPED, EagerSchedu
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+    from lightning_fuse.graphs import GraphedModule
     from lightning_fuse.options import FuseOptions
 
 log = logging.getLogger("lightning_fuse")
@@ -184,6 +185,11 @@ class FitState:
         """Whether the plan in force runs anything but the plain eager network."""
         return self.plan is not None and bool(self.plan.modules())
 
+    @property
+    def graph(self) -> GraphedModule | None:
+        """The plan's CUDA graph over the network, if it has one."""
+        return self.plan.graph if self.plan is not None else None
+
     def begin_step(self, batch: Any, length_fn: Callable[[Any], Any] | None) -> tuple[bool, bool]:
         """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped); returns whether it
         runs eagerly and whether it should count FLOPs (an untimed, unprofiled eager step on a GPU)."""
@@ -251,7 +257,7 @@ class FitState:
         parts = [self.plan.describe() if self.plan is not None else "eager (no plan was installed)"]
         if self.dropped:
             parts.append(f"plan dropped: {self.dropped}")
-        graph = getattr(self.plan, "graph", None)
+        graph = self.graph
         if graph is not None:
             parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
                          else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip
@@ -542,7 +548,7 @@ def epoch_extras(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModu
         mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=pl_module.device)
         extra.update(per_rank("gpu_util", trainer.strategy.all_gather(mine).flatten().tolist()))
     hits, misses = (now - start for now, start in zip(cache_counters(), fit.cache_at_start))
-    graph = getattr(fit.plan, "graph", None)
+    graph = fit.graph
     if fit.buckets is not None:
         extra["pad_waste"] = fit.buckets.waste
     trees = fit.trees_recorded()

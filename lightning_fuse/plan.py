@@ -80,6 +80,8 @@ class Plan:
     cudagraph_trees = False
     """Whether it runs torch's own CUDA graphs (inductor's cudagraph trees): on CUDA, in a :data:`GRAPHING_MODES`
     mode."""
+    graph: GraphedModule | None = None
+    """Its one CUDA graph over the network's forward and backward, if it has one."""
 
     def install(self) -> None:
         """Put the plan on the model."""
