@@ -18,24 +18,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fuse import compat, gpu
-from lightning_fuse.compiler import RECOMPILE_LIMIT, plain_eager
+from lightning_fuse import compat
+from lightning_fuse.compiler import RECOMPILE_LIMIT
 from lightning_fuse.fit import FitState, activate_plan, end_epoch, fit_setting, report, start_cache
 from lightning_fuse.metrics import scalars
 from lightning_fuse.options import AUTO, FuseOptions
 from lightning_fuse.plan import Plan
 from lightning_fuse.regions import Target, format_plan
-from lightning_fuse.running_guard import window_speedup
 from lightning_fuse.shapes import CompileTracker, DimSpec
-from lightning_fuse.timing import REFERENCE_BUDGET, SKIPPED, UNKNOWN_EPOCH_STEPS
+from lightning_fuse.timing import REFERENCE_BUDGET
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -133,7 +130,6 @@ class FuseCallback(Callback):
         self.resumed_plan: str | None = None  # the plan of the checkpoint this fit resumed from, if any
         self.fit = FitState()
         self.verdict: str | None = None  # the last fit's result in one line (on rank zero)
-        self._step_context = ExitStack()  # per-step contexts: the eager stance, the FLOP counter
 
     @property
     def state_key(self) -> str:
@@ -177,12 +173,7 @@ class FuseCallback(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.fit.timer.reserve(int(min(trainer.num_training_batches, 4096)))
-        steps = int(min(trainer.num_training_batches, UNKNOWN_EPOCH_STEPS))
-        self.fit.plan_epoch(steps)
-        self.fit.items = []
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self.fit.begin_epoch(trainer.num_training_batches, pl_module.device)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -196,35 +187,12 @@ class FuseCallback(Callback):
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
             fit.timer.interrupt()  # the search is not training time: the reference's budget is a share of that
             fit.timer.start()
-        eager, count_flops = fit.begin_step(batch, self.options.length_fn)
-        if eager:
-            self._step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
-            self._step_context.enter_context(plain_eager(fit.plan.modules() if fit.plan else []))
-            if count_flops:
-                fit.flops = self._step_context.enter_context(gpu.count_step_flops())
-        else:
-            fit.plan.step_begin()
-        fit.guard.arm(batch, batch_idx, armed=not eager and fit.plan.owned)
+        fit.begin_step(batch, batch_idx, self.options.length_fn)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        fit = self.fit
-        graph = fit.graph
-        compiled_now = fit.tracker.total_compiles != fit.step_compiles
-        captured_now = graph is not None and graph.captured_during_last_call
-        fit.timer.stop(SKIPPED if compiled_now or captured_now else fit.step_kind)
-        if fit.profile is not None:
-            fit.profile.step_end()
-        self._end_step_context()
-        fit.steps += 1
-        self._drop_plan_if_slower_over_window(trainer, fit.pace.end())
-
-    def _end_step_context(self) -> None:
-        self._step_context.close()
-        if self.fit.flops is not None:
-            self.fit.flops_per_batch = float(self.fit.flops.total) or None
-            self.fit.flops = None
+        self._drop_plan_if_slower_over_window(trainer, self.fit.end_step())
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -267,7 +235,7 @@ class FuseCallback(Callback):
         if plan_ms is None or not self._plan_is_judged():
             return
         window = self.fit.pace.window
-        speedup = trainer.strategy.broadcast(window_speedup(plan_ms, self.fit.eager_step_ms(), least=window // 2))
+        speedup = trainer.strategy.broadcast(self.fit.speedup_over_window(plan_ms))
         self._drop_plan_below_margin(speedup, f"over its last {window} steps (median step, compiling and "
                                               "graph-recording steps included)")  # fmt: skip
 
@@ -300,7 +268,6 @@ class FuseCallback(Callback):
 
     def _restore(self) -> None:
         """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
-        self._end_step_context()
         self.fit.close()
 
     # ------------------------------------------------------------------ checkpointing

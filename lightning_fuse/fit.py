@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,7 @@ from lightning_fuse import compat, gpu
 from lightning_fuse.buckets import PadToBuckets, suggest_buckets
 from lightning_fuse.cache import CompileCache, cache_counters, cache_key
 from lightning_fuse.call_shapes import CallShapes
-from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_training
+from lightning_fuse.compiler import CompileOptions, RegionPolicy, _changes_in_training, plain_eager
 from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.guard import BackwardGuard
@@ -35,11 +36,12 @@ from lightning_fuse.metrics import epoch_metrics, measure_only_line, per_rank, s
 from lightning_fuse.plan import Plan, Setting, UserCompiled, candidates, for_varying_shapes, forced_plan, user_compiled
 from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.regions import AUTO, resolve_regions
-from lightning_fuse.running_guard import PLAN, RunningGuard
+from lightning_fuse.running_guard import PLAN, RunningGuard, window_speedup
 from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims, mark_region_inputs)
-from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN, SKIPPED, EagerSchedule, ReferencePool, StepTimer, summarize
+from lightning_fuse.timing import (COMPILED, EAGER, LEAD_IN, SKIPPED, UNKNOWN_EPOCH_STEPS, EagerSchedule,
+                                   ReferencePool, StepTimer, summarize)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -82,6 +84,8 @@ class FitState:
     nominal_batch: int = 0
     step_kind: str = SKIPPED
     step_compiles: int = 0
+    step_context: ExitStack = field(default_factory=ExitStack)
+    """The running step's contexts: the eager stance, the plan's modules run plainly, the FLOP counter."""
     pool: ReferencePool = field(default_factory=ReferencePool)
     """The last few reference chunks' eager step times: what each epoch's speedup divides."""
     compiled_ms: float | None = None
@@ -177,9 +181,15 @@ class FitState:
             return f"the plan will be chosen by measurement after step {self.activation_step} among: {names}"
         return f"plan forced by explicit settings: {self.candidates[0].describe()}"
 
-    def plan_epoch(self, steps: int) -> None:
+    def begin_epoch(self, batches: float, device: torch.device) -> None:
+        """An epoch of ``batches`` training batches (``inf``: unknown) starts: its eager reference steps placed."""
+        self.timer.reserve(int(min(batches, 4096)))
         settle = self.activation_step - self.schedule.start_length + self.warmup
-        self.schedule.plan_epoch(self.steps, steps, settle, eager_ms=self.pool.median(), compiled_ms=self.compiled_ms)
+        self.schedule.plan_epoch(self.steps, int(min(batches, UNKNOWN_EPOCH_STEPS)), settle,
+                                 eager_ms=self.pool.median(), compiled_ms=self.compiled_ms)  # fmt: skip
+        self.items = []
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
 
     def runs_compiled(self) -> bool:
         """Whether the plan in force runs anything but the plain eager network."""
@@ -190,9 +200,10 @@ class FitState:
         """The plan's CUDA graph over the network, if it has one."""
         return self.plan.graph if self.plan is not None else None
 
-    def begin_step(self, batch: Any, length_fn: Callable[[Any], Any] | None) -> tuple[bool, bool]:
-        """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped); returns whether it
-        runs eagerly and whether it should count FLOPs (an untimed, unprofiled eager step on a GPU)."""
+    def begin_step(self, batch: Any, batch_idx: int, length_fn: Callable[[Any], Any] | None) -> None:
+        """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped) and enter it: an eager
+        step runs everything eagerly (and counts FLOPs where it is untimed and unprofiled, on a GPU), a plan step
+        begins the plan's step and arms the backward guard."""
         size = batch_size(batch)
         self.nominal_batch = max(self.nominal_batch, size)
         eager = self.plan is None or self.schedule.is_eager(self.steps)
@@ -208,7 +219,17 @@ class FitState:
         self.step_compiles = self.tracker.total_compiles
         if self.plan is not None:
             self.pace.begin(PLAN if not eager else self.step_kind)  # the running guard times eager's timed steps
-        return eager, eager and self.needs_flops() and not timed and profile is None
+        if eager:
+            self._enter_eager(count_flops=self.needs_flops() and not timed and profile is None)
+        else:
+            self.plan.step_begin()
+        self.guard.arm(batch, batch_idx, armed=not eager and self.plan.owned)
+
+    def _enter_eager(self, count_flops: bool) -> None:
+        self.step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
+        self.step_context.enter_context(plain_eager(self.plan.modules() if self.plan else []))
+        if count_flops:
+            self.flops = self.step_context.enter_context(gpu.count_step_flops())
 
     def mark_dynamic(self, dims: DynamicDims, batch: Any, stage: str, loaders: Callable[[], Any]) -> None:
         """Mark the batch's varying dims dynamic for the regions (the loaders are read once per stage)."""
@@ -231,11 +252,36 @@ class FitState:
         self.profile = profile
         return timed and size == self.nominal_batch and profile is None, profile
 
+    def end_step(self) -> list[float] | None:
+        """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled or captured a graph is
+        kept out), its contexts left; at the end of a running guard's window, that window's plan step times."""
+        graph = self.graph
+        compiled_now = self.tracker.total_compiles != self.step_compiles
+        captured_now = graph is not None and graph.captured_during_last_call
+        self.timer.stop(SKIPPED if compiled_now or captured_now else self.step_kind)
+        if self.profile is not None:
+            self.profile.step_end()
+        self.close_step_context()
+        self.steps += 1
+        return self.pace.end()
+
+    def close_step_context(self) -> None:
+        """Leave the running step's contexts, keeping the FLOPs it counted."""
+        self.step_context.close()
+        if self.flops is not None:
+            self.flops_per_batch = float(self.flops.total) or None
+            self.flops = None
+
     def eager_step_ms(self) -> float | None:
         """Eager's step for the running guard: its own timed reference steps, else the reference pool's median
         (earlier epochs), else the search's eager trial (one forward and backward)."""
         trial = self.decision.trials[0].ms if self.decision is not None and self.decision.trials else None
         return self.pace.eager_ms() or self.pool.median() or trial
+
+    def speedup_over_window(self, plan_ms: list[float]) -> float | None:
+        """The running guard's speedup over a window whose plan steps took ``plan_ms`` (``None``: not judged, the
+        window was mostly the eager reference, or eager's step is unknown)."""
+        return window_speedup(plan_ms, self.eager_step_ms(), least=self.pace.window // 2)
 
     def needs_flops(self) -> bool:
         return self.peak_flops is not None and self.flops_per_batch is None
@@ -348,7 +394,9 @@ class FitState:
             self.plan.uninstall()
 
     def close(self) -> None:
-        """Undo everything the fit changed: the plan, hooks, torch settings, the cache's environment."""
+        """Undo everything the fit changed: the step's contexts, the plan, hooks, torch settings, the cache's
+        environment."""
+        self.close_step_context()
         for window in self.profiles.values():
             window.abort()
         self.uninstall_plan()
