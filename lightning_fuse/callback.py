@@ -1,12 +1,14 @@
 """FuseCallback: the Lightning hooks of a fit that compiles, measures and reports. The work lives in other modules.
 
-The life of a fit: at fit start the regions are resolved and the candidate plans built (:mod:`~lightning_fuse.plan`);
-the first steps run eagerly, untimed, while the network's inputs are recorded; then the plan is chosen by measurement
-on those inputs (:mod:`~lightning_fuse.search`) or forced by explicit settings, and installed. Each step is timed
-(:mod:`~lightning_fuse.timing`), a few run eagerly as the reference, a backward that raises under the plan drops
-it and redoes the step (:mod:`~lightning_fuse.guard`), and a plan slower than eager over a window of steps is
-dropped mid-epoch (:mod:`~lightning_fuse.running_guard`). Each epoch logs its scalars (:mod:`~lightning_fuse.metrics`);
-the fit ends with one verdict line and a summary; at teardown the model is plain eager again.
+The life of a fit: at fit start the regions are resolved and the candidate plans built (:mod:`~lightning_fuse.start`,
+:mod:`~lightning_fuse.plan`); the first steps run eagerly, untimed, while the network's inputs are recorded; then the
+plan is chosen by measurement on those inputs (:mod:`~lightning_fuse.choice`, :mod:`~lightning_fuse.search`) or
+forced by explicit settings, and installed. Each step is timed (:mod:`~lightning_fuse.fit`,
+:mod:`~lightning_fuse.timing`), a few run eagerly as the reference, a backward that raises under the plan drops it
+and redoes the step (:mod:`~lightning_fuse.guard`), and a plan slower than eager over a window of steps is dropped
+mid-epoch (:mod:`~lightning_fuse.running_guard`). Each epoch logs its scalars (:mod:`~lightning_fuse.measurement`);
+the fit ends with one verdict line and a summary; at teardown the model is plain eager again. The hooks hand the
+other modules what they need of the Trainer.
 
 Example::
 
@@ -18,27 +20,27 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fuse import compat, gpu
-from lightning_fuse.compiler import RECOMPILE_LIMIT, plain_eager
-from lightning_fuse.fit import FitState, activate_plan, end_epoch, fit_setting, report, start_cache
-from lightning_fuse.metrics import scalars
+from lightning_fuse import compat
+from lightning_fuse.choice import activate_plan
+from lightning_fuse.compiler import RECOMPILE_LIMIT
+from lightning_fuse.fit import FitState
+from lightning_fuse.measurement import end_epoch, log_epoch, report
 from lightning_fuse.options import AUTO, FuseOptions
-from lightning_fuse.plan import Plan
-from lightning_fuse.regions import Target, format_plan
-from lightning_fuse.running_guard import window_speedup
-from lightning_fuse.shapes import CompileTracker, DimSpec
-from lightning_fuse.timing import REFERENCE_BUDGET, SKIPPED, UNKNOWN_EPOCH_STEPS
+from lightning_fuse.start import plan_line, start_cache, start_fit
+from lightning_fuse.timing import REFERENCE_BUDGET
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+    from lightning_fuse.plan import Plan
+    from lightning_fuse.regions import Target
+    from lightning_fuse.shapes import CompileTracker, DimSpec
 
 SLOWER_THAN_EAGER = 0.9
 """With mode="auto", a plan whose epoch, or a running guard's window of steps, measures below this speedup is
@@ -133,7 +135,6 @@ class FuseCallback(Callback):
         self.resumed_plan: str | None = None  # the plan of the checkpoint this fit resumed from, if any
         self.fit = FitState()
         self.verdict: str | None = None  # the last fit's result in one line (on rank zero)
-        self._step_context = ExitStack()  # per-step contexts: the eager stance, the FLOP counter
 
     @property
     def state_key(self) -> str:
@@ -171,18 +172,14 @@ class FuseCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_private_apis()
-        self.fit = FitState.start(self.options, trainer, pl_module, fit_setting(self.options, trainer, pl_module))
-        self.fit.cache = start_cache(self.options, trainer, self.fit)
-        rank_zero_info(f"FuseCallback: {self.fit.intent()}\n{format_plan(self.fit.setting.regions, pl_module)}")
+        self.fit = start_fit(self.options, pl_module, world_size=trainer.world_size, sharded=_is_sharded(trainer),
+                             precision=trainer.precision_plugin)  # fmt: skip
+        self.fit.cache = start_cache(self.options, self.fit, trainer.strategy.barrier)
+        rank_zero_info(plan_line(self.fit, pl_module))
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.fit.timer.reserve(int(min(trainer.num_training_batches, 4096)))
-        steps = int(min(trainer.num_training_batches, UNKNOWN_EPOCH_STEPS))
-        self.fit.plan_epoch(steps)
-        self.fit.items = []
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        self.fit.begin_epoch(trainer.num_training_batches, pl_module.device)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -196,35 +193,12 @@ class FuseCallback(Callback):
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
             fit.timer.interrupt()  # the search is not training time: the reference's budget is a share of that
             fit.timer.start()
-        eager, count_flops = fit.begin_step(batch, self.options.length_fn)
-        if eager:
-            self._step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
-            self._step_context.enter_context(plain_eager(fit.plan.modules() if fit.plan else []))
-            if count_flops:
-                fit.flops = self._step_context.enter_context(gpu.count_step_flops())
-        else:
-            fit.plan.step_begin()
-        fit.guard.arm(batch, batch_idx, armed=not eager and fit.plan.owned)
+        fit.begin_step(batch, batch_idx, self.options.length_fn)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        fit = self.fit
-        graph = getattr(fit.plan, "graph", None)
-        compiled_now = fit.tracker.total_compiles != fit.step_compiles
-        captured_now = graph is not None and graph.captured_during_last_call
-        fit.timer.stop(SKIPPED if compiled_now or captured_now else fit.step_kind)
-        if fit.profile is not None:
-            fit.profile.step_end()
-        self._end_step_context()
-        fit.steps += 1
-        self._drop_plan_if_slower_over_window(trainer, fit.pace.end())
-
-    def _end_step_context(self) -> None:
-        self._step_context.close()
-        if self.fit.flops is not None:
-            self.fit.flops_per_batch = float(self.fit.flops.total) or None
-            self.fit.flops = None
+        self._drop_plan_if_slower_over_window(trainer, self.fit.end_step())
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -247,10 +221,10 @@ class FuseCallback(Callback):
         fit = self.fit
         if fit.timer is None:
             return
-        metrics = end_epoch(fit, trainer, pl_module)
+        gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
+        metrics = end_epoch(fit, trainer.current_epoch, pl_module.device, gather)
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
-        for logger in trainer.loggers:
-            logger.log_metrics(scalars(metrics), step=trainer.current_epoch)
+        log_epoch(metrics, trainer.loggers, trainer.current_epoch)
         if "fuse/speedup" in metrics:
             pl_module.log("fuse/speedup", metrics["fuse/speedup"], prog_bar=True, logger=False)
         self._drop_plan_if_slower(trainer, metrics.get("fuse/speedup"))
@@ -267,7 +241,7 @@ class FuseCallback(Callback):
         if plan_ms is None or not self._plan_is_judged():
             return
         window = self.fit.pace.window
-        speedup = trainer.strategy.broadcast(window_speedup(plan_ms, self.fit.eager_step_ms(), least=window // 2))
+        speedup = trainer.strategy.broadcast(self.fit.speedup_over_window(plan_ms))
         self._drop_plan_below_margin(speedup, f"over its last {window} steps (median step, compiling and "
                                               "graph-recording steps included)")  # fmt: skip
 
@@ -285,7 +259,7 @@ class FuseCallback(Callback):
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
-            self.verdict = report(self.fit, trainer, self.history)
+            self.verdict = report(self.fit, self.history, trainer.loggers, trainer.current_epoch)
         if self.fit.cache is not None and trainer.is_global_zero:
             self.fit.cache.save()
 
@@ -300,7 +274,6 @@ class FuseCallback(Callback):
 
     def _restore(self) -> None:
         """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
-        self._end_step_context()
         self.fit.close()
 
     # ------------------------------------------------------------------ checkpointing
@@ -313,6 +286,11 @@ class FuseCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(row) for row in state_dict.get("history", [])]
         self.resumed_plan = state_dict.get("plan")
+
+
+def _is_sharded(trainer: pl.Trainer) -> bool:
+    """FSDP shards parameters: the network cannot be run outside its wrapper, so no plan is measured there."""
+    return "fsdp" in type(trainer.strategy).__name__.lower()
 
 
 def _below(speedup: float) -> str:

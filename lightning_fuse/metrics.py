@@ -19,8 +19,6 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from lightning_fuse.gpu import mfu
 from lightning_fuse.shapes import CompileTracker, RegionCompiles, explain_graph_break
 from lightning_fuse.timing import REFERENCE_BUDGET, THIN_REFERENCE, EpochTiming
@@ -411,19 +409,3 @@ def _region_notes(tracker: CompileTracker) -> list[str]:
             notes.append(f"- {name} graph break: {reason} -> fix: {explain_graph_break(reason)}")
     return notes
 
-
-def count_items(length_fn: Callable[[Any], Any], batch: Any) -> float | torch.Tensor:
-    """``length_fn(batch)``, kept as a tensor if it is one (no host sync per step), or a ``TypeError`` that says what
-    it returned instead."""
-    items = length_fn(batch)
-    if isinstance(items, torch.Tensor) and items.numel() == 1:
-        return items.detach().reshape(()).float()
-    if isinstance(items, (int, float)) and not isinstance(items, bool):
-        return float(items)
-    got = f"a tensor of shape {tuple(items.shape)}" if isinstance(items, torch.Tensor) else (
-        f"{type(items).__name__}: {items!r:.80}"
-    )
-    raise TypeError(
-        "`length_fn` must return the number of items in a batch (an int, a float or a one-element tensor), "
-        f"got {got}. Example: length_fn=lambda batch: batch['attention_mask'].sum()."
-    )

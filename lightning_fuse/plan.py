@@ -6,7 +6,7 @@ network); ``reduce-overhead`` (the whole network compiled with torch's CUDA grap
 with torch's CUDA graphs each) and ``compile+graph`` (one graph over the whole network compiled), both tried where
 the graph over the regions failed; ``compile`` (the whole network compiled, no graph). :func:`candidates` lists,
 most promising first, those that make sense for the device and the number of processes; :func:`forced_plan` builds
-the one an explicit ``mode``/``cuda_graph``/``targets`` asks for.
+the one an explicit ``mode``/``cuda_graph``/``targets`` asks for; :func:`fit_setting` is what they are all built from.
 Which candidate runs is measured (:mod:`lightning_fuse.search`).
 
 Example::
@@ -23,15 +23,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import GRAPHING_MODES, CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
-from lightning_fuse.graphs import GraphedModule, syncs_between_regions, syncs_when_compiled
-from lightning_fuse.regions import AUTO, Region
+from lightning_fuse.graphs import GraphedModule, graph_target, syncs_between_regions, syncs_when_compiled
+from lightning_fuse.regions import AUTO, Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_fuse.options import FuseOptions
 
 
 @dataclass
@@ -54,6 +60,18 @@ class Setting:
     world_size: int = 1
     max_graphs: int = 1
     """CUDA graphs a graph plan may capture, one per batch signature (one per bucket with ``pad_buckets``)."""
+
+
+def fit_setting(options: FuseOptions, pl_module: pl.LightningModule, world_size: int) -> Setting:
+    """What the fit's plans are built from: its regions, its network, the compile arguments, the device."""
+    regions = resolve_regions(pl_module, options.targets, options.exclude)
+    policy = RegionPolicy(verify=options.verify, recompile_limit=options.recompile_limit,
+                          on_recompile_limit=options.on_recompile_limit,
+                          graph_shapes=len(options.pad_buckets or [1]))  # fmt: skip
+    compile_options = CompileOptions(backend=options.backend, fullgraph=options.fullgraph, dynamic=options.dynamic,
+                                     options=dict(options.options) if options.options else None)  # fmt: skip
+    return Setting(regions, graph_target(pl_module), compile_options, pl_module.device, policy=policy,
+                   world_size=world_size, max_graphs=len(options.pad_buckets or [1]))  # fmt: skip
 
 
 class Plan:
@@ -80,6 +98,8 @@ class Plan:
     cudagraph_trees = False
     """Whether it runs torch's own CUDA graphs (inductor's cudagraph trees): on CUDA, in a :data:`GRAPHING_MODES`
     mode."""
+    graph: GraphedModule | None = None
+    """Its one CUDA graph over the network's forward and backward, if it has one."""
 
     def install(self) -> None:
         """Put the plan on the model."""

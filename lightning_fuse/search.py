@@ -9,7 +9,7 @@ nothing had run. A candidate that raises, whose graph was not captured, or whose
 eager's, is dropped with its reason; a candidate is not tried when one that does all it does and more already ran
 faster than eager. With several processes every rank measures, a candidate that fails on any rank is dropped on
 all, and rank zero's timings decide (:class:`Consensus`). The decision can be stored with the compile cache, so a
-warm run goes straight to the winner.
+warm run goes straight to the winner (:mod:`~lightning_fuse.decision`).
 
 Example::
 
@@ -27,13 +27,10 @@ Example::
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +38,7 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import TOLERANCES, _effective_dtype, describe_error
+from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
 from lightning_fuse.state import Snapshot
 
@@ -48,51 +46,6 @@ WARM_CALLS = 2
 """Untimed calls per candidate: the first compiles (and captures), the second settles the allocator."""
 TIMED_CALLS = 5
 """Timed calls per candidate; their median is its time."""
-
-
-@dataclass
-class Trial:
-    """One candidate's result: its median ms per forward+backward, and what became of it.
-
-    Example::
-
-        >>> Trial("regions", 2.5, "chosen")
-        Trial(name='regions', ms=2.5, outcome='chosen')
-    """
-
-    name: str
-    ms: float | None = None
-    outcome: str = "not tried"
-    """``chosen``, ``slower than <winner>``, ``failed: <reason>`` or ``skipped: <reason>``."""
-
-
-@dataclass
-class Decision:
-    """The search's result: the winner and every candidate's trial.
-
-    Example::
-
-        >>> Decision("eager", [Trial("eager", 3.0, "chosen"), Trial("regions", None, "failed: boom")]).lines()
-        ['eager       3.00 ms  chosen', 'regions              failed: boom']
-    """
-
-    winner: str
-    trials: list[Trial] = field(default_factory=list)
-    cached: bool = False
-
-    def lines(self) -> list[str]:
-        """One line per candidate, e.g. ``regions+graph   3.21 ms  chosen``."""
-        width = max(len(t.name) for t in self.trials)
-        times = [f"{t.ms:8.2f} ms" if t.ms is not None else " " * 11 for t in self.trials]
-        return [f"{t.name:<{width}} {ms}  {t.outcome}" for t, ms in zip(self.trials, times)]
-
-    def to_json(self) -> str:
-        return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials]})
-
-    @classmethod
-    def from_json(cls, text: str) -> Decision:
-        data = json.loads(text)
-        return cls(data["winner"], [Trial(**t) for t in data["trials"]], cached=True)
 
 
 class Consensus:
@@ -336,7 +289,3 @@ def _differentiable(leaf: Any) -> bool:
 def _nothing() -> Iterator[None]:
     yield
 
-
-def decision_path(directory: Path, key: str) -> Path:
-    """Where the decision for ``key`` (the compile cache's key and the inputs' signature) is stored."""
-    return directory / f"plan-{key}.json"

@@ -1,4 +1,5 @@
-"""Dynamic dims on batches, and accounting of compiles, recompiles and graph breaks per region.
+"""Dynamic dims on batches, a batch's size and its items, and accounting of compiles, recompiles and graph breaks
+per region.
 
 Example::
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +102,23 @@ def batch_size(batch: Any) -> int:
     """Dim 0 of the first tensor in the batch (1 for a batch without tensors)."""
     first = next(_tensors(batch), None)
     return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+
+
+def count_items(length_fn: Callable[[Any], Any], batch: Any) -> float | torch.Tensor:
+    """``length_fn(batch)``, kept as a tensor if it is one (no host sync per step), or a ``TypeError`` that says what
+    it returned instead."""
+    items = length_fn(batch)
+    if isinstance(items, torch.Tensor) and items.numel() == 1:
+        return items.detach().reshape(()).float()
+    if isinstance(items, (int, float)) and not isinstance(items, bool):
+        return float(items)
+    got = f"a tensor of shape {tuple(items.shape)}" if isinstance(items, torch.Tensor) else (
+        f"{type(items).__name__}: {items!r:.80}"
+    )
+    raise TypeError(
+        "`length_fn` must return the number of items in a batch (an int, a float or a one-element tensor), "
+        f"got {got}. Example: length_fn=lambda batch: batch['attention_mask'].sum()."
+    )
 
 
 def can_yield_partial_batch(loaders: Any) -> bool:

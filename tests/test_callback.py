@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.compiler import CompiledRegion
+from lightning_fuse.decision import Decision
 from lightning_fuse.running_guard import RunningGuard, window_speedup
-from lightning_fuse.search import Decision
 from lightning_fuse.timing import StepTimer
 from tests.toy import ToyTask, trainer
 
@@ -389,9 +389,10 @@ def test_a_measure_only_run_says_so_in_its_verdict():
 
 def test_a_forced_plan_dropped_mid_fit_is_not_called_measure_only():
     """A dropped plan leaves an eager plan with no modules, as a measure-only run has: the verdict tells them apart."""
+    from lightning_fuse import measurement
     from lightning_fuse.fit import FitState
     from lightning_fuse.plan import Plan
 
     fit_state = FitState(candidates=[Plan()], plan=Plan(), dropped="compiled code raised RuntimeError (step 5)")
-    verdict = fit_state.verdict([{"fuse/step_ms": 3.0, "plan": "regions"}])
+    verdict = measurement.verdict(fit_state, [{"fuse/step_ms": 3.0, "plan": "regions"}])
     assert "measure only" not in verdict and "was dropped" in verdict

@@ -1,18 +1,17 @@
 """The fallback that reaches backward (lightning_fuse.guard), and the truth about what ran (FitState.what_ran)."""
 
-from types import SimpleNamespace
-
 import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_fuse import FuseCallback, compat
 from lightning_fuse.compiler import CompileOptions
-from lightning_fuse.fit import FitState, _cudagraph_trees, epoch_extras
+from lightning_fuse.decision import Decision
+from lightning_fuse.fit import FitState, cudagraph_trees
 from lightning_fuse.graphs import graph_target
+from lightning_fuse.measurement import epoch_extras
 from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
 from lightning_fuse.regions import resolve_regions
-from lightning_fuse.search import Decision
 from tests.toy import ToyTask, trainer
 
 
@@ -100,8 +99,7 @@ def test_the_summary_says_what_torchs_cudagraph_trees_recorded_in_the_fit(monkey
     plan = RegionTrees(setting)
     fit = FitState(setting=setting, candidates=[plan], plan=plan, trees_at_start=(3, 1))
     assert fit.what_ran() == "regions+trees; graphs: 14 recorded by torch's cudagraph trees"
-    cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert epoch_extras(fit, SimpleNamespace(world_size=1), cpu)["graphs_recorded"] == 14.0
+    assert epoch_extras(fit, torch.device("cpu"))["graphs_recorded"] == 14.0
     fit.decision = Decision("regions+trees")  # measured now: the trials recorded into the same trees
     assert fit.what_ran().endswith("graphs: 14 recorded by torch's cudagraph trees, the plan search's trials included")
     fit.plan, trees[0] = Whole(setting, "reduce-overhead"), (3, 3)
@@ -120,6 +118,5 @@ def test_the_summary_says_nothing_of_cudagraph_trees_for_other_plans_or_on_a_cpu
     for setting, plan in [(cuda, Regions(cuda, graph=False)), (cuda, Whole(cuda, None)), (cpu, RegionTrees(cpu))]:
         fit = FitState(setting=setting, candidates=[plan], plan=plan)
         assert "cudagraph trees" not in fit.what_ran() and fit.trees_recorded() is None
-        assert "graphs_recorded" not in epoch_extras(fit, SimpleNamespace(world_size=1),
-                                                     SimpleNamespace(device=torch.device("cpu")))  # fmt: skip
-    assert _cudagraph_trees(torch.device("cpu")) == (0, 0)  # a CPU fit's baseline: nothing looked up
+        assert "graphs_recorded" not in epoch_extras(fit, torch.device("cpu"))
+    assert cudagraph_trees(torch.device("cpu")) == (0, 0)  # a CPU fit's baseline: nothing looked up

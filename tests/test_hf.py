@@ -255,15 +255,15 @@ def test_the_network_compiled_whole_does_not_recompile_on_the_cache_hook():
 def test_the_search_replays_the_call_as_the_training_step_makes_it(monkeypatch):
     """A graph captured in the search must match the training calls: their signature is the call before any hook
     (``use_cache=False`` is added inside), or the plan would run without its graph."""
-    import lightning_fuse.fit as fit_module
+    import lightning_fuse.choice as choice_module
 
     seen: list[dict] = []
 
-    class Spy(fit_module.TrialCall):
+    class Spy(choice_module.TrialCall):
         def __init__(self, module, args, kwargs, **options):
             seen.append(dict(kwargs))
             super().__init__(module, args, kwargs, **options)
 
-    monkeypatch.setattr(fit_module, "TrialCall", Spy)
+    monkeypatch.setattr(choice_module, "TrialCall", Spy)
     fit(lambda: HFTask(tiny_gpt2()), [fuse()])
     assert seen and sorted(seen[0]) == ["attention_mask", "input_ids", "labels"]

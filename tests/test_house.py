@@ -11,11 +11,18 @@ class nested in it, which might never run) holds at least one of:
   same rules: a helper named ``assert_x`` that asserts nothing does not count.
 
 A test whose whole body is ``pytest.skip(...)`` is exempt; a test that skips only sometimes is not.
+
+And the package's own shape (issue 27: the house), each module of ``lightning_fuse`` one job: no module over 300
+lines of code (docstrings, comments and blank lines aside), none importing more than 8 of the package's other
+modules when it runs (an import under ``if TYPE_CHECKING:`` names types for annotations and never runs), and no
+cycle of imports, those for type checking included.
 """
 
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -250,3 +257,139 @@ def test_the_check_finds_exactly_the_tests_that_check_nothing(tmp_path):
                      "test_hidden_in_a_plain_helper", "test_assert_in_a_nested_function",
                      "test_skips_then_does_nothing", "TestGroup.test_method_does_not"]
     ]  # fmt: skip
+
+
+# ------------------------------------------------------------------ the package's shape (issue 27: "the house")
+
+PACKAGE = TESTS.parent / "lightning_fuse"
+MAX_CODE_LINES = 300
+MAX_SIBLINGS = 8
+
+
+def code_lines(source: str) -> int:
+    """The lines of ``source`` that hold code: not blank, not only a comment, not part of a docstring (a module's,
+    a class's or a function's)."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first.value, "value", None), str):  # a string
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    layout = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    lines = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in layout:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and dotted(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
+def imported_siblings(source: str, siblings: set[str], runtime_only: bool = False) -> set[str]:
+    """The modules of ``siblings`` that ``source``, a module of ``lightning_fuse``, imports: ``from lightning_fuse
+    import x``, ``from lightning_fuse.x import ...`` or ``import lightning_fuse.x``, at its top or in a function.
+    ``runtime_only`` leaves out the imports under ``if TYPE_CHECKING:`` (types for annotations: they never run)."""
+    found = set()
+    todo = list(ast.parse(source).body)
+    while todo:
+        node = todo.pop()
+        if runtime_only and _type_checking_only(node):
+            todo.extend(node.orelse)
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module == PACKAGE.name:
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{PACKAGE.name}."):
+            found.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[1] for alias in node.names if alias.name.startswith(f"{PACKAGE.name}."))
+        todo.extend(ast.iter_child_nodes(node))
+    return found & siblings
+
+
+def import_graph(root: Path = PACKAGE, runtime_only: bool = False) -> dict[str, set[str]]:
+    """Each module of the package under ``root`` -> the other modules of it that it imports."""
+    sources = {path.stem: path.read_text() for path in sorted(root.glob("*.py"))}
+    return {name: imported_siblings(source, set(sources) - {name}, runtime_only) for name, source in sources.items()}
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One cycle of imports in ``graph`` (its first module again at its end), or ``[]`` where there is none."""
+    done: set[str] = set()
+
+    def walk(module: str, path: list[str]) -> list[str]:
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return []
+        for imported in sorted(graph[module]):
+            cycle = walk(imported, path + [module])
+            if cycle:
+                return cycle
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        cycle = walk(module, [])
+        if cycle:
+            return cycle
+    return []
+
+
+def test_no_module_is_over_300_lines_of_code():
+    sizes = {path.name: code_lines(path.read_text()) for path in sorted(PACKAGE.glob("*.py"))}
+    over = {name: size for name, size in sizes.items() if size > MAX_CODE_LINES}
+    assert not over, f"modules over {MAX_CODE_LINES} lines of code (docstrings, comments, blank lines aside): {over}"
+
+
+def test_no_module_imports_more_than_8_of_its_siblings():
+    over = {name: sorted(found) for name, found in import_graph(runtime_only=True).items() if len(found) > MAX_SIBLINGS}
+    assert not over, f"modules importing more than {MAX_SIBLINGS} other modules of lightning_fuse: {over}"
+
+
+def test_no_import_cycle():
+    cycle = import_cycle(import_graph())  # imports for type checking only count too
+    assert not cycle, f"modules of lightning_fuse import each other: {' -> '.join(cycle)}"
+
+
+SHAPE_SAMPLE = '''"""A module docstring,
+over two lines."""
+
+import os  # a comment
+from typing import TYPE_CHECKING
+
+from lightning_fuse import compat, not_a_module
+from lightning_fuse.plan import Plan
+
+if TYPE_CHECKING:
+    from lightning_fuse.fit import FitState
+
+
+class Thing:
+    """A class docstring."""
+
+    # a comment alone
+    def method(self) -> str:
+        """A function docstring."""
+        import lightning_fuse.timing
+
+        return (
+            "a string over two lines,"
+            " which is code"
+        )
+'''
+
+
+def test_the_shape_checks_can_fail(tmp_path):
+    assert code_lines(SHAPE_SAMPLE) == 13
+    siblings = {"compat", "plan", "fit", "timing", "gpu"}
+    assert imported_siblings(SHAPE_SAMPLE, siblings) == {"compat", "plan", "fit", "timing"}
+    assert imported_siblings(SHAPE_SAMPLE, siblings, runtime_only=True) == {"compat", "plan", "timing"}
+    for name, imports in {"a": "from lightning_fuse import b", "b": "import lightning_fuse.c", "c": "",
+                          "d": "if TYPE_CHECKING:\n    from lightning_fuse.a import x"}.items():  # fmt: skip
+        (tmp_path / f"{name}.py").write_text(imports)
+    assert import_cycle(import_graph(tmp_path)) == []
+    (tmp_path / "c.py").write_text("def late():\n    from lightning_fuse.d import y")
+    assert import_cycle(import_graph(tmp_path)) == ["a", "b", "c", "d", "a"]
+    assert import_cycle(import_graph(tmp_path, runtime_only=True)) == []

@@ -341,7 +341,7 @@ def test_a_recompile_storm_is_bounded_within_a_fit(action):
 def test_nvml_missing_or_failing_mid_run_stops_gpu_metrics_with_at_most_one_warning(monkeypatch, nvml):
     fake = FakeNvml(available=nvml != "missing")
 
-    def start_with_fake_nvml(self, trainer, pl_module):
+    def start_with_fake_nvml(self, precision, pl_module):
         # the CUDA-only part of FitState.start_gpu_metrics, with the fake NVML in place of pynvml
         self.sampler = gpu.GpuSampler(0, hz=200, nvml=fake)
         if not self.sampler.start():

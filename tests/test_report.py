@@ -15,7 +15,8 @@ import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from lightning_fuse.__main__ import main
-from lightning_fuse.report import NoRunsError, Run, format_table, load_runs, plot_runs, summarise
+from lightning_fuse.report import format_table, plot_runs, summarise
+from lightning_fuse.runs import NoRunsError, Run, load_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from lightning_fuse import FuseCallback
+from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
-from lightning_fuse.search import Consensus, Decision, PlanSearch, Trial, TrialCall, sandbox
+from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
 from tests.toy import ToyTask
 
 

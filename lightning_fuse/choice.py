@@ -1,0 +1,134 @@
+"""The moment the plan is chosen: at the activation step, from the cached decision, by measurement on the recorded
+inputs (:mod:`~lightning_fuse.search`), or forced by explicit settings; then installed, the other candidates released.
+
+Where the shapes of the network's first training calls vary, the varying dims are compiled as dynamic from then on,
+and the candidates that record CUDA graphs (one per shape) are left out of the search, unless ``pad_buckets`` pads
+the lengths to a few sizes.
+
+Example::
+
+    >>> from lightning_fuse.call_shapes import CallShapes
+    >>> import torch
+    >>> shapes = CallShapes()
+    >>> for length in (5, 9):
+    ...     shapes.add((torch.zeros(2, length),), {})
+    >>> print(varying_shapes_note(shapes, ["regions+graph"], buckets=0))  # doctest: +NORMALIZE_WHITESPACE
+    FuseCallback: the network's input shapes vary between its first 2 training calls (lengths 5..9): dim 1 is
+    compiled as dynamic, and regions+graph (CUDA graphs, one recorded per shape) are left out of the search. To run
+    CUDA graphs over varying lengths, pad them to a few sizes: FuseCallback(pad_buckets=[8, 16]) (from the lengths
+    seen; extend it to your longest sequence).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_fuse import compat
+from lightning_fuse.buckets import suggest_buckets
+from lightning_fuse.compiler import _changes_in_training
+from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
+from lightning_fuse.plan import for_varying_shapes
+from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
+from lightning_fuse.shapes import mark_dims, mark_region_inputs
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_fuse.call_shapes import CallShapes
+    from lightning_fuse.fit import FitState
+
+
+def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    """Choose the plan (by measurement on the recorded inputs, from the cache, or forced) and install it."""
+    fit.stop_recording()
+    _hold_over_varying_shapes(fit)
+    fit.no_cache.enabled = True  # the candidates, eager's trial too, run as the plan will
+    if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
+        # Dynamo traces each parameter with its .grad: FSDP's bf16 grads left by the eager steps made every region
+        # fall back ("grad_dtype 'BFloat16'"). Lightning would set them to None after this step's forward anyway.
+        pl_module.zero_grad(set_to_none=True)
+    if not fit.searching:
+        plan = fit.candidates[0]
+    elif fit.recorded is None:
+        plan = fit.candidates[0]
+        plan.reason = f"the network {fit.setting.target[0]!r} was not called in a training step, so nothing to measure"
+    else:
+        fit.decision_file = _decision_file(fit)
+        cached = fit.decision_file.load([p.name for p in fit.candidates]) if fit.decision_file else None
+        fit.decision = cached or _search(fit, trainer)
+        plan = next(p for p in fit.candidates if p.name == fit.decision.winner)
+        plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
+        announce(fit.decision, trainer.loggers if trainer.is_global_zero else [])
+        if fit.decision_file is not None and trainer.is_global_zero:
+            fit.decision_file.store(fit.decision)
+    fit.recorded = None
+    for loser in fit.candidates:
+        if loser is not plan:
+            loser.release()
+    plan.install()
+    fit.plan = plan
+    if plan.name == "eager" and fit.decision is not None:
+        fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
+        fit.schedule.plan_epoch(fit.steps, 1, 0)  # and the chunks already placed in this epoch go
+
+
+def _decision_file(fit: FitState) -> DecisionFile | None:
+    """Where the decision for the recorded inputs is cached, beside the compile cache (``None``: no cache)."""
+    if fit.cache is None:
+        return None
+    return DecisionFile(fit.cache.directory, decision_key(fit.recorded, fit.varying_dims, fit.setting.world_size))
+
+
+def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
+    module = fit.setting.target[1]
+    args, kwargs = fit.recorded
+    cuda = fit.setting.device.type == "cuda"
+    call = TrialCall(module, args, kwargs, context=trainer.precision_plugin.forward_context,
+                     synchronize=torch.cuda.synchronize if cuda else lambda: None)  # fmt: skip
+    # the trial's inputs are detached copies: give them the batch's dynamic dims, or the candidates compile for
+    # other shapes than training then calls them with (one recompile of every candidate, at its first step)
+    mark_region_inputs(compat.tree_leaves((call.args, call.kwargs)), fit.setting.policy.dynamic_sizes)
+    # compiled candidates compile the varying dims as dynamic from their first call: no recompile per length
+    fit.setting.policy.dynamic_sizes |= mark_dims((call.args, call.kwargs), fit.varying_dims)
+    consensus = Consensus(lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
+                          trainer.strategy.broadcast)  # fmt: skip
+    deterministic = not _changes_in_training(module)
+    search = PlanSearch(fit.candidates, consensus, reference=call.last if deterministic else None)
+    with sandbox(module):
+        return search.run(call)
+
+
+def _hold_over_varying_shapes(fit: FitState) -> None:
+    """Where the shapes recorded before the plan search vary, those dims are marked dynamic from now on and only
+    the candidates that hold over them compete (no CUDA graphs without ``pad_buckets``); one line says so."""
+    if not fit.shapes.varies:
+        return
+    fit.varying_dims = fit.shapes.varying_dims
+    buckets = len(fit.options.pad_buckets or ())
+    kept = for_varying_shapes(fit.candidates, buckets) if fit.searching else fit.candidates
+    left_out = [plan for plan in fit.candidates if plan not in kept]
+    for plan in left_out:
+        plan.release()
+    fit.candidates = kept
+    rank_zero_info(varying_shapes_note(fit.shapes, [plan.name for plan in left_out], buckets))
+
+
+def varying_shapes_note(shapes: CallShapes, left_out: list[str], buckets: int) -> str:
+    """What varying shapes change, and the ``pad_buckets`` that would hold the lengths seen (without buckets)."""
+    lengths = shapes.sizes(1)
+    seen = f" (lengths {lengths[0]}..{lengths[-1]})" if lengths else ""
+    dims = sorted(shapes.varying_dims)
+    marked = f"dim {dims[0]} is" if len(dims) == 1 else f"dims {', '.join(map(str, dims))} are"
+    change = f"{marked} compiled as dynamic" if dims else "the calls' structure changes"
+    note = f"FuseCallback: the network's input shapes vary between its first {shapes.calls} training calls{seen}: "
+    note += change
+    if left_out:
+        note += f", and {', '.join(left_out)} (CUDA graphs, one recorded per shape) are left out of the search"
+    if lengths and not buckets:
+        note += (f". To run CUDA graphs over varying lengths, pad them to a few sizes: "
+                 f"FuseCallback(pad_buckets={suggest_buckets(lengths)}) (from the lengths seen; extend it to your "
+                 "longest sequence)")  # fmt: skip
+    return note + "."

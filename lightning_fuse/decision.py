@@ -1,0 +1,140 @@
+"""The plan search's decision and its cache: the winner and every candidate's trial, kept as JSON beside the compile
+cache, so a warm run with the same inputs goes straight to the winner.
+
+:class:`Decision` is what :class:`~lightning_fuse.search.PlanSearch` returns; :class:`DecisionFile` is where one is
+stored, named by the compile cache's key and the recorded inputs' signature (:func:`decision_key`), and read back,
+written, or forgotten (a dropped plan's file, so the next run measures again); :func:`announce` says it once.
+
+Example::
+
+    >>> decision = Decision("regions", [Trial("eager", 3.0, "slower than regions"), Trial("regions", 2.0, "chosen")])
+    >>> Decision.from_json(decision.to_json()).winner, Decision.from_json(decision.to_json()).cached
+    ('regions', True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_fuse import compat
+
+
+@dataclass
+class Trial:
+    """One candidate's result: its median ms per forward+backward, and what became of it.
+
+    Example::
+
+        >>> Trial("regions", 2.5, "chosen")
+        Trial(name='regions', ms=2.5, outcome='chosen')
+    """
+
+    name: str
+    ms: float | None = None
+    outcome: str = "not tried"
+    """``chosen``, ``slower than <winner>``, ``failed: <reason>`` or ``skipped: <reason>``."""
+
+
+@dataclass
+class Decision:
+    """The search's result: the winner and every candidate's trial.
+
+    Example::
+
+        >>> Decision("eager", [Trial("eager", 3.0, "chosen"), Trial("regions", None, "failed: boom")]).lines()
+        ['eager       3.00 ms  chosen', 'regions              failed: boom']
+    """
+
+    winner: str
+    trials: list[Trial] = field(default_factory=list)
+    cached: bool = False
+
+    def lines(self) -> list[str]:
+        """One line per candidate, e.g. ``regions+graph   3.21 ms  chosen``."""
+        width = max(len(t.name) for t in self.trials)
+        times = [f"{t.ms:8.2f} ms" if t.ms is not None else " " * 11 for t in self.trials]
+        return [f"{t.name:<{width}} {ms}  {t.outcome}" for t, ms in zip(self.trials, times)]
+
+    def to_json(self) -> str:
+        return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials]})
+
+    @classmethod
+    def from_json(cls, text: str) -> Decision:
+        data = json.loads(text)
+        return cls(data["winner"], [Trial(**t) for t in data["trials"]], cached=True)
+
+
+def decision_key(recorded: Any, varying_dims: Collection[int], world_size: int) -> str:
+    """The recorded inputs' signature: shapes (a varying dim as -1, so any length finds it) and dtypes.
+
+    Example::
+
+        >>> inputs = ((torch.zeros(2, 7),), {})
+        >>> decision_key(inputs, {1}, 1) == decision_key(((torch.zeros(2, 9),), {}), {1}, 1)
+        True
+    """
+    leaves = [leaf for leaf in compat.tree_leaves(recorded) if isinstance(leaf, torch.Tensor)]
+    shapes = [tuple(-1 if dim in varying_dims else size for dim, size in enumerate(t.shape)) for t in leaves]
+    shapes = repr([(shape, t.dtype) for shape, t in zip(shapes, leaves)]) + repr(world_size)
+    return hashlib.sha256(shapes.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class DecisionFile:
+    """Where the decision for one compile cache (its directory) and one input signature (its key) is stored.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     stored = DecisionFile(Path(directory), "0123abcd")
+        ...     stored.store(Decision("eager", [Trial("eager", 3.0, "chosen")]))
+        ...     stored.path.name, stored.load(["eager", "regions"]).winner, stored.load(["regions"])
+        ('plan-0123abcd.json', 'eager', None)
+    """
+
+    directory: Path
+    key: str
+    """The recorded inputs' signature (:func:`decision_key`)."""
+
+    @property
+    def path(self) -> Path:
+        return self.directory / f"plan-{self.key}.json"
+
+    def load(self, candidates: Collection[str]) -> Decision | None:
+        """The stored decision, if there is a readable one whose winner is among ``candidates`` (plan names)."""
+        try:
+            decision = Decision.from_json(self.path.read_text())
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return decision if decision.winner in candidates else None
+
+    def store(self, decision: Decision) -> None:
+        """Write ``decision``, unless it was read from the cache in the first place."""
+        if not decision.cached:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(decision.to_json())
+
+    def forget(self) -> None:
+        """Remove the stored decision: the next run measures again."""
+        self.path.unlink(missing_ok=True)
+
+
+def announce(decision: Decision, loggers: Sequence[Any]) -> None:
+    """Print the decision once, and write it to ``loggers`` (rank zero's) as text and as scalars."""
+    how = "from the cached decision" if decision.cached else "by measurement (median ms per forward+backward)"
+    rank_zero_info(f"FuseCallback: plan {decision.winner!r} chosen {how}:\n  " + "\n  ".join(decision.lines()))
+    scalars = {f"fuse/search_ms/{t.name}": t.ms for t in decision.trials if t.ms is not None}
+    for logger in loggers:
+        logger.log_metrics(scalars, step=0)
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            experiment.add_text("fuse/plan_search", "    " + "\n    ".join(decision.lines()), global_step=0)

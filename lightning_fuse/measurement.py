@@ -1,0 +1,191 @@
+"""What a fit measures and what it makes of it: the step timer, the eager reference's schedule and the counters' values
+at fit start; each epoch's ``fuse/`` scalars; at the fit's end, the verdict and the summary.
+
+The scalars and the words are :mod:`~lightning_fuse.metrics`'; this module reads them off the fit's state
+(:class:`~lightning_fuse.fit.FitState`) and hands them to the Trainer's loggers.
+
+Example::
+
+    >>> from lightning_fuse.fit import FitState
+    >>> from lightning_fuse.plan import Plan
+    >>> fit = FitState(candidates=[Plan()], plan=Plan())  # nothing selected to compile, nothing searched
+    >>> verdict(fit, [{"epoch": 0, "fuse/step_ms": 3.0}])
+    'FuseCallback: measure only (nothing selected to compile): eager steps of 3.0 ms, no speedup to measure'
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_fuse.cache import cache_counters
+from lightning_fuse.fit import cudagraph_trees
+from lightning_fuse.metrics import epoch_metrics, measure_only_line, per_rank, scalars, summary_table, verdict_line
+from lightning_fuse.profiling import ProfileWindow
+from lightning_fuse.timing import COMPILED, EAGER, EagerSchedule, StepTimer, summarize
+
+if TYPE_CHECKING:
+    from lightning_fuse.fit import FitState
+
+log = logging.getLogger("lightning_fuse")
+
+
+# ------------------------------------------------------------------ the fit's start
+def start_measuring(fit: FitState, device: torch.device) -> None:
+    """The step timer, the profile windows, the eager reference's schedule, and the counters' values at fit start
+    (compile cache hits and misses, torch's cudagraph trees), which the fit's own are counted from."""
+    options = fit.options
+    fit.timer = StepTimer(device)
+    fit.profiles = _profiles(options.profile_steps, device)
+    fit.schedule = EagerSchedule(options.eager_steps, reference_budget=options.reference_budget,
+                                 profiled=options.profile_steps if fit.profiles else 0)  # fmt: skip
+    fit.cache_at_start = cache_counters()
+    fit.trees_at_start = cudagraph_trees(fit.setting.device)
+
+
+def _profiles(steps: int, device: torch.device) -> dict[str, ProfileWindow]:
+    if not steps:
+        return {}
+    if device.type != "cuda":
+        rank_zero_info("FuseCallback: `profile_steps` counts GPU kernels and needs a CUDA device; skipped.")
+        return {}
+    return {COMPILED: ProfileWindow(steps), EAGER: ProfileWindow(steps)}
+
+
+# ------------------------------------------------------------------ each epoch's end
+def end_epoch(fit: FitState, epoch: int, device: torch.device,
+              gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The epoch's scalars (and its plan's name), from all of its steps' times and the reference pool.
+
+    Args:
+        fit: The fit's state.
+        epoch: The epoch that ends.
+        device: The LightningModule's device.
+        gather: With several processes, the strategy's ``all_gather`` (a collective: every rank calls it).
+    """
+    times = fit.timer.collect(include_skipped=True)  # all of the epoch's steps: the reference's cost is a share
+    fit.pool.add(times.get(EAGER, []), epoch)  # an epoch without reference steps reuses the pool
+    # eager against eager is no speedup
+    timing = summarize(times, reference=fit.pool.samples if fit.runs_compiled() else [],
+                       reference_age=fit.pool.age(epoch) or 0)  # fmt: skip
+    fit.compiled_ms = timing.step_ms or fit.compiled_ms
+    fit.reference_ms, fit.train_ms = fit.reference_ms + timing.reference_ms, fit.train_ms + timing.train_ms
+    return epoch_metrics(
+        timing, fit.nominal_batch, fit.tracker.total_s, fit.tracker.total_recompiles,
+        items_per_batch=float(sum(fit.items)) / len(fit.items) if fit.items else None,  # one sync
+        flops_per_batch=fit.flops_per_batch, peak_flops=fit.peak_flops,
+        extra=epoch_extras(fit, device, gather), plan=fit.plan_name(),
+    )  # fmt: skip
+
+
+def epoch_extras(fit: FitState, device: torch.device,
+                 gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:  # fmt: skip
+    """The epoch's scalars beyond timing: GPU, memory, kernels, cache, graph breaks, what ran (``gather``: see
+    :func:`end_epoch`)."""
+    extra = fit.sampler.read_and_reset() if fit.sampler else {}
+    if device.type == "cuda":
+        extra["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    extra.update(_kernel_metrics(fit))
+    if gather is not None and device.type == "cuda":  # a collective: every rank calls it
+        mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=device)
+        extra.update(per_rank("gpu_util", gather(mine).flatten().tolist()))
+    hits, misses = (now - start for now, start in zip(cache_counters(), fit.cache_at_start))
+    graph = fit.graph
+    if fit.buckets is not None:
+        extra["pad_waste"] = fit.buckets.waste
+    trees = fit.trees_recorded()
+    if trees is not None:
+        extra["graphs_recorded"] = float(trees[0])
+    extra.update(cache_hits=hits, cache_misses=misses, graph_breaks=fit.tracker.total_graph_breaks,
+                 compiled=float(fit.runs_compiled()),
+                 plan_dropped=float(fit.dropped is not None),
+                 graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip
+    return extra
+
+
+def _kernel_metrics(fit: FitState) -> dict[str, float]:
+    """The profiled kernel counts, once, in the epoch both windows finished."""
+    if fit.profile_logged or not fit.profiles or not all(w.done for w in fit.profiles.values()):
+        return {}
+    fit.profile_logged = True
+    compiled, eager = fit.profiles[COMPILED].result, fit.profiles[EAGER].result
+    return {
+        "kernels_per_step": compiled.kernels_per_step,
+        "eager_kernels_per_step": eager.kernels_per_step,
+        "gpu_busy_frac": compiled.gpu_busy_frac,
+        "eager_gpu_busy_frac": eager.gpu_busy_frac,
+    }
+
+
+def log_epoch(row: dict[str, Any], loggers: Sequence[Any], epoch: int) -> None:
+    """Hand the epoch's scalars to the loggers (the plan's name, a string, is not one)."""
+    for logger in loggers:
+        logger.log_metrics(scalars(row), step=epoch)
+
+
+# ------------------------------------------------------------------ the fit's end
+def verdict(fit: FitState, history: list[dict[str, Any]]) -> str:
+    """The fit in one line (:func:`~lightning_fuse.metrics.verdict_line`), or why nothing was compared."""
+    if fit.decision is not None and fit.decision.winner == "eager" and fit.dropped is None:
+        return _eager_verdict(fit)
+    last = history[-1] if history else {}
+    if _measures_only(fit):
+        return measure_only_line(last.get("fuse/step_ms"))
+    return verdict_line(fit.plan_name(), history, fit.tracker.total_s,
+                        break_even_step=last.get("fuse/break_even_step"), dropped=fit.dropped,
+                        device_type=fit.setting.device.type if fit.setting else "cpu",
+                        eager_steps=fit.options.eager_steps if fit.options else None,
+                        reference_steps=len(fit.pool.samples),
+                        reference_cost=fit.reference_ms / fit.train_ms if fit.train_ms else None)  # fmt: skip
+
+
+def _measures_only(fit: FitState) -> bool:
+    """Eager by design: nothing selected to compile and no search (a dropped plan leaves an eager plan too)."""
+    plan = fit.plan
+    return plan is not None and plan.owned and not plan.modules() and fit.decision is None and not fit.dropped
+
+
+def _eager_verdict(fit: FitState) -> str:
+    """The search kept eager: say how the best candidate measured against it, and what finding out cost."""
+    eager = fit.decision.trials[0].ms
+    timed = [t for t in fit.decision.trials[1:] if t.ms is not None]
+    best = min(timed, key=lambda t: t.ms) if timed else None
+    against = f"the best plan, {best.name}, ran at {eager / best.ms:.2f}x of eager" if best and eager else (
+        "every other plan failed")
+    return (f"FuseCallback: 1.00x, kept eager: no plan beat it on this {fit.setting.device.type.upper()} "
+            f"({against}); compile {fit.tracker.total_s:.0f} s spent finding out")
+
+
+def report(fit: FitState, history: list[dict[str, Any]], loggers: Sequence[Any], epoch: int) -> str:
+    """The fit's end: the summary with the verdict (Python logging, the loggers' TensorBoard text at ``epoch``), and
+    the verdict on the terminal, once (printed, unless a logging handler already wrote the summary there); returns
+    the verdict."""
+    line = verdict(fit, history)
+    ran = fit.what_ran()
+    log.info(summary_table(history, fit.tracker, ran, verdict=line))
+    for logger in loggers:
+        experiment = getattr(logger, "experiment", None)
+        if hasattr(experiment, "add_text"):
+            text = summary_table(history, fit.tracker, ran, markdown=True, verdict=line)
+            experiment.add_text("fuse/summary", text, global_step=epoch)
+            experiment.flush()
+    if not _logging_reaches_terminal(log):  # else (a Hydra run) the summary just logged showed it there
+        print(f"\n{line}", flush=True)  # noqa: T201 - the fit's verdict, on a line of its own on the terminal
+    return line
+
+
+def _logging_reaches_terminal(logger: logging.Logger) -> bool:
+    """Whether ``logger``'s INFO records are written to stdout or stderr by a handler (Hydra's console handler)."""
+    terminal = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+    current: logging.Logger | None = logger if logger.isEnabledFor(logging.INFO) else None
+    while current is not None:
+        if any(isinstance(handler, logging.StreamHandler) and handler.stream in terminal
+               and handler.level <= logging.INFO for handler in current.handlers):  # fmt: skip
+            return True
+        current = current.parent if current.propagate else None
+    return False

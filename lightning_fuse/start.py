@@ -1,0 +1,121 @@
+"""A fit's start: its setting and candidate plans, its state with the timer and the reference schedule, the hooks it
+puts on the model and on torch (:func:`start_fit`); its compile cache (:func:`start_cache`); the plan line that says
+what will happen (:func:`plan_line`).
+
+They take from the Trainer only what they need, as values: the number of processes, whether the strategy shards the
+parameters, the precision plugin (its autocast context and loss scaler, which the backward guard's redone step
+uses) and the strategy's barrier (every rank reads the compile cache rank zero saved).
+
+Example::
+
+    >>> import lightning.pytorch as pl, torch
+    >>> from lightning.pytorch.plugins import Precision
+    >>> from lightning_fuse.options import FuseOptions
+    >>> class Task(pl.LightningModule):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.blocks = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    >>> task = Task()
+    >>> fit = start_fit(FuseOptions(backend="eager", cache_dir=False), task, world_size=1, sharded=False,
+    ...                 precision=Precision())
+    >>> plan_line(fit, task).splitlines()[0]
+    'FuseCallback: the plan will be chosen by measurement after step 3 among: eager, regions, compile'
+    >>> fit.close()  # what the fit put on the model and on torch, taken off
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from lightning_fuse.buckets import PadToBuckets
+from lightning_fuse.cache import CompileCache, cache_key
+from lightning_fuse.fit import FitState
+from lightning_fuse.guard import BackwardGuard
+from lightning_fuse.kv_cache import NoCacheInTraining
+from lightning_fuse.measurement import start_measuring
+from lightning_fuse.plan import Setting, UserCompiled, candidates, fit_setting, forced_plan, user_compiled
+from lightning_fuse.regions import AUTO, format_plan
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins import Precision
+
+    from lightning_fuse.options import FuseOptions
+
+SHAPE_STEPS = 3
+"""Eager steps, at least, before the plan search: their network inputs tell whether the shapes vary."""
+
+
+def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size: int, sharded: bool,
+              precision: Precision) -> FitState:  # fmt: skip
+    """A fit's state at its start: the candidates built, the timer and schedule ready, inputs being recorded.
+
+    Args:
+        options: FuseCallback's options.
+        pl_module: The LightningModule being fit.
+        world_size: The number of processes.
+        sharded: Whether the strategy shards the parameters (FSDP): then no plan is measured.
+        precision: The Trainer's precision plugin.
+    """
+    setting = fit_setting(options, pl_module, world_size)
+    fit = _with_candidates(options, setting, pl_module, sharded)
+    fit.buckets = PadToBuckets(options.pad_buckets) if options.pad_buckets else None
+    start_measuring(fit, pl_module.device)
+    fit.activation_step = max(fit.schedule.start_length, SHAPE_STEPS if fit.searching else 0)
+    graphs = any(plan.records_graphs for plan in fit.candidates)
+    fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
+    fit.raise_recompile_limit()
+    fit.tracker.install()
+    fit.no_cache = NoCacheInTraining(setting.target[1])
+    fit.no_cache.install()
+    fit.start_recording()
+    scaler = getattr(precision, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
+    fit.guard = BackwardGuard(fit.drop_plan, precision.forward_context,
+                              scaler.scale if scaler is not None else lambda loss: loss)  # fmt: skip
+    fit.guard.install(pl_module)
+    fit.start_gpu_metrics(str(precision.precision), pl_module)
+    return fit
+
+
+def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.LightningModule, sharded: bool) -> FitState:
+    """A new fit's state with its candidate plans: the user's own compile, the plans the search will measure, or
+    the one plan explicit settings force."""
+    searching = options.mode == AUTO and options.cuda_graph == AUTO and options.targets in (AUTO, (AUTO,))
+    searching = searching and not sharded
+    precompiled = user_compiled(pl_module)
+    fit = FitState(options=options, setting=setting, searching=searching and not precompiled, tracker=setting.tracker)
+    if precompiled:
+        fit.candidates = [UserCompiled(precompiled)]
+    elif fit.searching:
+        fit.candidates = candidates(setting)
+    else:
+        fit.candidates = [forced_plan(setting, options.mode, options.cuda_graph)]
+    return fit
+
+
+def start_cache(options: FuseOptions, fit: FitState, barrier: Callable[[], None]) -> CompileCache | None:
+    """Point torch's compile caches into ``cache_dir`` and load last run's artifacts (``None``: no cache)."""
+    if options.cache_dir is False:
+        return None
+    backend = getattr(options.backend, "__qualname__", options.backend)  # a callable: by name
+    what = (options.mode, options.cuda_graph, options.dynamic, backend, options.fullgraph,
+            sorted((options.options or {}).items()))  # fmt: skip
+    modules = [region.module for region in fit.setting.regions] + [fit.setting.target[1]]
+    cache = CompileCache(options.cache_dir, [cache_key(modules, fit.setting.device, [repr(what)])])
+    cache.activate()
+    barrier()  # rank zero saved last; everyone reads the same file
+    cache.load()
+    return cache
+
+
+def plan_line(fit: FitState, pl_module: pl.LightningModule) -> str:
+    """The plan line at fit start: what will be chosen from, or what is forced, and the regions."""
+    if isinstance(fit.candidates[0], UserCompiled):
+        intent = f"no compile of its own: {fit.candidates[0].reason}"
+    elif fit.searching:
+        names = ", ".join(plan.name for plan in fit.candidates)
+        intent = f"the plan will be chosen by measurement after step {fit.activation_step} among: {names}"
+    else:
+        intent = f"plan forced by explicit settings: {fit.candidates[0].describe()}"
+    return f"FuseCallback: {intent}\n{format_plan(fit.setting.regions, pl_module)}"
