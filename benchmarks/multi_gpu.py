@@ -17,7 +17,8 @@ import harness
 import models
 from lightning.pytorch.strategies import FSDPStrategy
 
-FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "final_loss", "plan", "ran", "search", "error")
+FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "final_loss", "plan", "ran", "search",
+          "error")
 VARIANTS = models.VARIANTS
 
 

@@ -223,11 +223,12 @@ class FuseCallback(Callback):
             return
         gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
         metrics = end_epoch(fit, trainer.current_epoch, pl_module.device, gather)
+        self._drop_plan_if_slower(trainer, metrics.get("fuse/speedup"))
+        metrics["fuse/plan_dropped"] = float(fit.dropped is not None)  # dropped at this epoch's end: this epoch's
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
         log_epoch(metrics, trainer.loggers, trainer.current_epoch)
         if "fuse/speedup" in metrics:
             pl_module.log("fuse/speedup", metrics["fuse/speedup"], prog_bar=True, logger=False)
-        self._drop_plan_if_slower(trainer, metrics.get("fuse/speedup"))
 
     def _drop_plan_if_slower(self, trainer: pl.Trainer, speedup: float | None) -> None:
         """With ``mode="auto"``, a plan measured slower than eager is dropped; rank zero's measurement decides."""
@@ -242,8 +243,8 @@ class FuseCallback(Callback):
             return
         window = self.fit.pace.window
         speedup = trainer.strategy.broadcast(self.fit.speedup_over_window(plan_ms))
-        self._drop_plan_below_margin(speedup, f"over its last {window} steps (median step, compiling and "
-                                              "graph-recording steps included)")  # fmt: skip
+        where = f"over its last {window} steps in epoch {trainer.current_epoch}"
+        self._drop_plan_below_margin(speedup, f"{where} (median step, compiling and graph-recording steps included)")
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone

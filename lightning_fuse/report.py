@@ -6,8 +6,9 @@ together with the ``fuse/summary`` text and the Hydra overrides of the run; this
 
 - **name**: its Hydra overrides (``.hydra/overrides.yaml`` next to or above the event files; ``(defaults)``
   when there are none), else the logger's ``name/version`` folders;
-- **status**: ``compiled``, ``dropped at epoch N`` (the plan was dropped, the run trained eagerly from epoch
-  ``N``), ``measure only`` (an eager run that only times itself, ``fuse=measure_only``), or ``never compiled``;
+- **status**: ``compiled``, ``dropped in epoch N`` (the plan was dropped in epoch ``N``, Lightning's numbering
+  as in the callback's warning, and the run trained eagerly after it), ``measure only`` (an eager run that only
+  times itself, ``fuse=measure_only``), or ``never compiled``;
 - **plan**: the plan it ended with, from its ``fuse/summary`` (``eager`` for a run that never compiled);
 - **speedup**, step ms, GPU util and MFU: medians over the epochs that ran the compiled plan only; a run that
   never compiled shows no speedup. With ``fuse/speedup_low``/``fuse/speedup_high`` the speedup reads
@@ -18,10 +19,10 @@ Reading event files needs ``tensorboard`` and ``--plot`` needs ``matplotlib``: `
 Example::
 
     >>> run = Run("fuse=auto", Path("tb"), {"speedup": {0: 2.0, 1: 2.4, 2: 1.0}, "compiled": {0: 1, 1: 1, 2: 0},
-    ...                                     "plan_dropped": {2: 1}})
+    ...                                     "plan_dropped": {1: 1, 2: 1}})
     >>> row = summarise(run)
     >>> row["status"], row["speedup_text"], row["epochs"]
-    ('dropped at epoch 2', '2.2x', '2/3')
+    ('dropped in epoch 1', '2.2x', '2/3')
 
 From a shell::
 
@@ -64,7 +65,7 @@ _PLAN_TEXT = re.compile(r"plan: ([\w+-]+)")
 _DROP_TEXT = re.compile(r"eager from epoch (\d+)|plan (?:was )?dropped", re.IGNORECASE)
 _MEASURE_TEXT = re.compile(r"measure[ _-]only", re.IGNORECASE)
 _EXPLAIN = {
-    "dropped": "dropped at epoch N: the plan measured slower than eager, so the run trained eagerly from epoch N on;"
+    "dropped": "dropped in epoch N: the plan measured slower than eager, so the run trained eagerly after it;"
     " its medians pool the epochs before N.",
     MEASURE_ONLY: "measure only: an eager run that times itself (fuse=measure_only); its step ms is an eager "
     "baseline, not a speedup.",
@@ -111,29 +112,30 @@ def plan_status(run: Run) -> PlanStatus:
     compiled = run.scalars.get("compiled")
     if compiled is not None:
         last = dropped_at if dropped_at is not None and dropped_at >= 0 else float("inf")  # epochs after: eager
-        pooled = tuple(e for e, value in sorted(compiled.items()) if value >= 0.5 and e < last)
+        pooled = tuple(e for e, value in sorted(compiled.items()) if value >= 0.5 and e <= last)
     elif dropped_at is not None:
-        pooled = tuple(e for e in epochs if e < dropped_at)
+        pooled = tuple(e for e in epochs if e <= dropped_at)
     elif run.texts:
         return PlanStatus(COMPILED, tuple(epochs))  # a finished run that kept its plan
     else:
         pooled = ()
     if dropped_at is not None:
-        return PlanStatus(f"dropped at epoch {dropped_at}" if dropped_at >= 0 else "dropped", pooled)
+        return PlanStatus(f"dropped in epoch {dropped_at}" if dropped_at >= 0 else "dropped", pooled)
     if pooled:
         return PlanStatus(COMPILED, pooled)
     return PlanStatus(NEVER_COMPILED if compiled is not None else UNKNOWN, ())
 
 
 def _drop_epoch(run: Run, text: str) -> int | None:
-    """The first epoch trained eagerly after a drop; -1 for a drop at an unknown epoch; ``None`` without a drop."""
+    """The epoch the plan was dropped in (the last one it ran, wholly or in part); -1 for a drop at an unknown epoch;
+    ``None`` without a drop."""
     if "plan_dropped" in run.scalars:  # the callback says it each epoch: its word is final
         flagged = [epoch for epoch, value in run.series("plan_dropped") if value >= 0.5]
         return flagged[0] if flagged else None
     match = _DROP_TEXT.search(text)
     if match is None:
         return None
-    return int(match.group(1)) if match.group(1) else -1
+    return int(match.group(1)) - 1 if match.group(1) else -1  # "eager from epoch N": dropped in the one before
 
 
 def _measure_only(run: Run, text: str) -> bool:

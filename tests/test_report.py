@@ -127,10 +127,10 @@ def test_runs_sharing_a_name_get_their_path(tmp_path: Path) -> None:
 
 
 def test_dropped_measure_only_and_never_compiled_runs_are_flagged(tmp_path: Path, capsys) -> None:
-    _hydra_run(  # the plan ran epochs 0-1, measured slower than eager in epoch 1, and was dropped
+    _hydra_run(  # the plan ran epochs 0-1 and was dropped at the end of epoch 1, which logs the drop
         tmp_path / "dropped", ["fuse=auto", "run=dropped"],
         {"fuse/speedup": [2.0, 2.4, 1.0, 1.0], "fuse/step_ms": [5.0, 4.0, 10.0, 10.0],
-         "fuse/compiled": [1, 1, 0, 0], "fuse/plan_dropped": [0, 0, 1, 1]},
+         "fuse/compiled": [1, 1, 0, 0], "fuse/plan_dropped": [0, 1, 1, 1]},
     )  # fmt: skip
     _hydra_run(  # an older run: no fuse/compiled, but its summary text says when the plan was dropped
         tmp_path / "dropped_text", ["run=dropped_text"], {"fuse/speedup": [3.0, 0.8, 1.0], "fuse/step_ms": [3.0] * 3},
@@ -143,16 +143,16 @@ def test_dropped_measure_only_and_never_compiled_runs_are_flagged(tmp_path: Path
     _hydra_run(tmp_path / "eager", ["run=never"], eager)
     rows, out = _report_md(tmp_path, capsys=capsys)
     dropped = rows["fuse=auto run=dropped"]
-    assert (dropped["status"], dropped["epochs"], dropped["speedup"]) == ("dropped at epoch 2", "2/4", "2.2x")
+    assert (dropped["status"], dropped["epochs"], dropped["speedup"]) == ("dropped in epoch 1", "2/4", "2.2x")
     assert dropped["step ms"] == "4.50", "medians pool only the epochs that ran the compiled plan"
     legacy = rows["run=dropped_text"]
-    assert (legacy["status"], legacy["epochs"], legacy["speedup"]) == ("dropped at epoch 2", "2/3", "1.90x")
+    assert (legacy["status"], legacy["epochs"], legacy["speedup"]) == ("dropped in epoch 1", "2/3", "1.90x")
     assert (legacy["plan"], dropped["plan"]) == ("regions", "-"), "the plan its summary names (none: no summary)"
     for name in ("fuse=measure_only", "run=measure_text"):
         assert (rows[name]["status"], rows[name]["speedup"], rows[name]["step ms"]) == ("measure only", "-", "10.20")
         assert rows[name]["plan"] == "eager"
     assert (rows["run=never"]["status"], rows["run=never"]["speedup"]) == ("never compiled", "-")
-    assert "dropped at epoch N: the plan measured slower than eager" in out
+    assert "dropped in epoch N: the plan measured slower than eager" in out
     assert "measure only: an eager run" in out and "never compiled: every epoch ran eagerly" in out
 
 
