@@ -195,6 +195,7 @@ class GraphedModule:
         self._compiles = compiles
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # call signature -> (its adapter, its replay)
+        self._params = list(module.parameters())
         self._inner: Any = None
         self._capturing = False
 
@@ -234,7 +235,9 @@ class GraphedModule:
         leaves, spec = compat.tree_flatten((args, kwargs))  # once per call: this is every training step's path
         if self._capturing or not self._eligible(leaves):
             return self.run_inner(*args, **kwargs)
-        signature = _signature(leaves, spec)
+        # a graph computes the gradients of the parameters that trained at its capture: a layer unfrozen since
+        # (Lightning's BackboneFinetuning) needs another graph, or none
+        signature = (_signature(leaves, spec), tuple(p.requires_grad for p in self._params))
         if signature not in self._graphs and self.capture_allowed and len(self._graphs) < self.max_graphs:
             self._capture(signature, leaves, args, kwargs)
             self.captured_during_last_call = signature in self._graphs

@@ -219,6 +219,27 @@ def test_gradients_kept_across_replays_are_never_overwritten_by_the_next_one(zer
     graphed.uninstall()
 
 
+def test_a_layer_unfrozen_after_the_capture_trains_without_the_graph():
+    torch.manual_seed(0)
+    net = KwargsNet("dict")
+    net.embed.requires_grad_(False)  # frozen at the capture, unfrozen later (as BackboneFinetuning does)
+    twin = copy.deepcopy(net)
+    graphed = GraphedModule("net", net, capture=grad_buffer_capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    ids = torch.randint(0, 10, (2, 5))
+    net(input_ids=ids)["loss"].backward()
+    assert graphed.replays == 1 and net.embed.weight.grad is None
+    for model in (net, twin):
+        model.embed.requires_grad_(True)
+        model.zero_grad()
+    net(input_ids=ids)["loss"].backward()
+    type(twin).forward(twin, ids)["loss"].backward()
+    assert graphed.replays == 1, "the graph computes no gradient for the unfrozen layer: not replayed"
+    torch.testing.assert_close(net.embed.weight.grad, twin.embed.weight.grad)
+    graphed.uninstall()
+
+
 def test_an_output_holding_a_non_tensor_object_is_left_uncaptured_with_its_reason():
     net, log = KwargsNet("cache"), []
     graphed = GraphedModule("net", net, capture=fake_capture(log), on_device=lambda t: True)
