@@ -196,6 +196,7 @@ class GraphedModule:
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # call signature -> (its adapter, its replay)
         self._params = list(module.parameters())
+        self._said_trainable = False
         self._inner: Any = None
         self._capturing = False
 
@@ -242,6 +243,7 @@ class GraphedModule:
             self._capture(signature, leaves, args, kwargs)
             self.captured_during_last_call = signature in self._graphs
         if signature not in self._graphs:
+            self._say_if_trainable_changed(signature)
             return self.run_inner(*args, **kwargs)
         flat, graphed = self._graphs[signature]
         own_kept_gradients(flat.trained)
@@ -252,6 +254,13 @@ class GraphedModule:
             return self.run_inner(*args, **kwargs)
         self.replays += 1
         return out
+
+    def _say_if_trainable_changed(self, signature: tuple) -> None:
+        """Once: a call like a captured one but for which parameters train runs without the graph."""
+        if not self._said_trainable and any(call == signature[0] for call, _ in self._graphs):
+            self._said_trainable = True
+            rank_zero_info(f"FuseCallback: the parameters that train in {self.name!r} changed since its CUDA graph "
+                           "was captured (a layer frozen or unfrozen): its calls run without that graph.")  # fmt: skip
 
     def run_inner(self, *args: Any, **kwargs: Any) -> Any:
         """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""

@@ -219,7 +219,7 @@ def test_gradients_kept_across_replays_are_never_overwritten_by_the_next_one(zer
     graphed.uninstall()
 
 
-def test_a_layer_unfrozen_after_the_capture_trains_without_the_graph():
+def test_a_layer_unfrozen_after_the_capture_trains_without_the_graph(caplog):
     torch.manual_seed(0)
     net = KwargsNet("dict")
     net.embed.requires_grad_(False)  # frozen at the capture, unfrozen later (as BackboneFinetuning does)
@@ -236,6 +236,8 @@ def test_a_layer_unfrozen_after_the_capture_trains_without_the_graph():
     net(input_ids=ids)["loss"].backward()
     type(twin).forward(twin, ids)["loss"].backward()
     assert graphed.replays == 1, "the graph computes no gradient for the unfrozen layer: not replayed"
+    net(input_ids=ids)
+    assert caplog.text.count("the parameters that train in 'net' changed") == 1, "said once"
     torch.testing.assert_close(net.embed.weight.grad, twin.embed.weight.grad)
     graphed.uninstall()
 
