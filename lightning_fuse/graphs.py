@@ -43,6 +43,9 @@ from lightning_fuse.compiler import PLAIN, describe_error, forced_eager
 from lightning_fuse.regions import has_params, is_metric
 from lightning_fuse.state import Snapshot
 
+TRAINABLE_SETS = 2
+"""How many sets of trainable parameters a module keeps graphs for: a GAN's two optimizers, each switching the other's
+parameters off (Lightning's ``toggle_optimizer``), or a backbone before and after it is unfrozen."""
 
 
 class Uncapturable(Exception):
@@ -206,7 +209,7 @@ class GraphedModule:
 
     @property
     def graphs(self) -> int:
-        """How many graphs are captured (one per call signature, at most ``max_graphs``)."""
+        """How many graphs are captured (one per call signature and set of trainable parameters)."""
         return len(self._graphs)
 
     def install(self) -> None:
@@ -239,7 +242,7 @@ class GraphedModule:
         # a graph computes the gradients of the parameters that trained at its capture: a layer unfrozen since
         # (Lightning's BackboneFinetuning) needs another graph, or none
         signature = (_signature(leaves, spec), tuple(p.requires_grad for p in self._params))
-        if signature not in self._graphs and self.capture_allowed and len(self._graphs) < self.max_graphs:
+        if signature not in self._graphs and self.capture_allowed and self._room_for(signature):
             self._capture(signature, leaves, args, kwargs)
             self.captured_during_last_call = signature in self._graphs
         if signature not in self._graphs:
@@ -255,12 +258,21 @@ class GraphedModule:
         self.replays += 1
         return out
 
+    def _room_for(self, signature: tuple) -> bool:
+        """At most ``max_graphs`` call signatures, each for at most :data:`TRAINABLE_SETS` sets of trainable
+        parameters."""
+        calls = {call for call, _ in self._graphs} | {signature[0]}
+        trainable_sets = {trainable for _, trainable in self._graphs} | {signature[1]}
+        return len(calls) <= self.max_graphs and len(trainable_sets) <= TRAINABLE_SETS
+
     def _say_if_trainable_changed(self, signature: tuple) -> None:
-        """Once: a call like a captured one but for which parameters train runs without the graph."""
+        """Once: a call like a captured one but with a set of trainable parameters beyond the graphs' runs without
+        a graph."""
         if not self._said_trainable and any(call == signature[0] for call, _ in self._graphs):
             self._said_trainable = True
-            rank_zero_info(f"FuseCallback: the parameters that train in {self.name!r} changed since its CUDA graph "
-                           "was captured (a layer frozen or unfrozen): its calls run without that graph.")  # fmt: skip
+            rank_zero_info(f"FuseCallback: the parameters that train in {self.name!r} changed (a layer frozen or "
+                           f"unfrozen) into a set beyond the {TRAINABLE_SETS} its CUDA graphs are kept for: calls "
+                           "with that set run without a graph.")  # fmt: skip
 
     def run_inner(self, *args: Any, **kwargs: Any) -> Any:
         """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""
@@ -283,8 +295,8 @@ class GraphedModule:
             graphed = graphed.__dict__.pop("forward") if isinstance(graphed, nn.Module) else graphed
             release_capture_graph(graphed)
             self._graphs[signature] = (flat, graphed)
-            rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward "
-                           f"({len(self._graphs)} of at most {self.max_graphs}).")  # fmt: skip
+            rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward ({len(self._graphs)}"
+                           f" so far; at most {self.max_graphs} per set of trainable parameters).")  # fmt: skip
         except Uncapturable as err:
             self.disable(str(err))
         except Exception as err:  # noqa: BLE001 - a capture failure must not cost the run

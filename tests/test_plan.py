@@ -219,27 +219,42 @@ def test_gradients_kept_across_replays_are_never_overwritten_by_the_next_one(zer
     graphed.uninstall()
 
 
-def test_a_layer_unfrozen_after_the_capture_trains_without_the_graph(caplog):
+def train_in_twins(net: nn.Module, trainable_sets: list[tuple[str, ...]]) -> GraphedModule:
+    """For each set of trainable children (the others frozen) a forward+backward on ``net`` graphed and on a twin
+    without any graph: their gradients agree after every step."""
     torch.manual_seed(0)
-    net = KwargsNet("dict")
-    net.embed.requires_grad_(False)  # frozen at the capture, unfrozen later (as BackboneFinetuning does)
     twin = copy.deepcopy(net)
     graphed = GraphedModule("net", net, capture=grad_buffer_capture, on_device=lambda t: True)
     graphed.install()
     graphed.capture_allowed = True
     ids = torch.randint(0, 10, (2, 5))
-    net(input_ids=ids)["loss"].backward()
-    assert graphed.replays == 1 and net.embed.weight.grad is None
-    for model in (net, twin):
-        model.embed.requires_grad_(True)
-        model.zero_grad()
-    net(input_ids=ids)["loss"].backward()
-    type(twin).forward(twin, ids)["loss"].backward()
-    assert graphed.replays == 1, "the graph computes no gradient for the unfrozen layer: not replayed"
-    net(input_ids=ids)
-    assert caplog.text.count("the parameters that train in 'net' changed") == 1, "said once"
-    torch.testing.assert_close(net.embed.weight.grad, twin.embed.weight.grad)
+    for trainable in trainable_sets:
+        for model in (net, twin):
+            for name, child in model.named_children():
+                child.requires_grad_(name in trainable)
+            model.zero_grad()
+        net(input_ids=ids)["loss"].backward()
+        type(twin).forward(twin, ids)["loss"].backward()
+        for got, want in zip(net.parameters(), twin.parameters()):
+            torch.testing.assert_close(got.grad, want.grad)
     graphed.uninstall()
+    return graphed
+
+
+def test_a_layer_unfrozen_after_the_capture_gets_a_graph_of_its_own():
+    graphed = train_in_twins(KwargsNet("dict"), [("head",), ("embed", "head")] * 2)  # as BackboneFinetuning does
+    assert graphed.graphs == 2 and graphed.replays == 4
+
+
+def test_two_optimizers_toggling_each_others_parameters_replay_a_graph_each():
+    graphed = train_in_twins(KwargsNet("dict"), [("embed",), ("head",)] * 3)  # Lightning's toggle_optimizer
+    assert graphed.graphs == 2 and graphed.replays == 6
+
+
+def test_a_third_set_of_trainable_parameters_runs_without_a_graph_and_says_so_once(caplog):
+    graphed = train_in_twins(KwargsNet("dict"), [("head",), ("embed",), ("embed", "head"), ("embed", "head")])
+    assert graphed.graphs == 2 and graphed.replays == 2, "the third set trains right, without a graph"
+    assert caplog.text.count("the parameters that train in 'net' changed") == 1, "said once"
 
 
 def test_an_output_holding_a_non_tensor_object_is_left_uncaptured_with_its_reason():
