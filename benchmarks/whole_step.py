@@ -59,13 +59,21 @@ class KernelWindow(pl.Callback):
             self.floor_ms = us / 1e3 / self.count if kernels else None
 
 
+def clipped(spec: dict, batches: int) -> tuple[models.Task, Any]:
+    """The model with a scheduler and a foreach AdamW: Lightning refuses to clip a fused optimizer's gradients
+    under mixed precision (fused AdamW unscales them itself)."""
+    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], batches, scheduler=True)
+    task.fused = False
+    return task, loader
+
+
 def measure(spec: dict) -> dict:
     """An eager fit, then the variant's fit with the profiled steps after the timed ones (one process)."""
     steps, warmup = spec["steps"], spec["warmup"]
     trainer_kw = {"gradient_clip_val": 1.0, "steps": steps + PROFILED, "warmup": warmup}
-    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps + PROFILED, scheduler=True)
+    task, loader = clipped(spec, steps + PROFILED)
     eager = harness.fit(task, loader, **trainer_kw)
-    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps + PROFILED, scheduler=True)
+    task, loader = clipped(spec, steps + PROFILED)
     started = time.perf_counter()
     callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
     window = KernelWindow(steps, PROFILED)

@@ -44,8 +44,12 @@ from lightning_fuse.regions import has_params, is_metric
 from lightning_fuse.state import Snapshot
 
 TRAINABLE_SETS = 2
-"""How many sets of trainable parameters a module keeps graphs for: a GAN's two optimizers, each switching the other's
-parameters off (Lightning's ``toggle_optimizer``), or a backbone before and after it is unfrozen."""
+"""How many sets of trainable parameters a module keeps graphs for at once: a GAN's two optimizers, each switching
+the other's parameters off (Lightning's ``toggle_optimizer``), or a backbone before and after it is unfrozen."""
+SET_REPLACEMENTS = 4
+"""How often the graphs of the set used least recently make way for a new set: the plan search's set (every
+parameter trains outside the training step) for the training steps' sets, an unfreezing schedule's stages. Beyond
+that, a new set runs without a graph rather than capture again and again."""
 
 
 class Uncapturable(Exception):
@@ -200,6 +204,9 @@ class GraphedModule:
         self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # call signature -> (its adapter, its replay)
         self._params = list(module.parameters())
         self._said_trainable = False
+        self._replacements_left = SET_REPLACEMENTS
+        self._calls = 0
+        self._last_call: dict[tuple, int] = {}  # set of trainable parameters -> the last call with it
         self._inner: Any = None
         self._capturing = False
 
@@ -242,7 +249,9 @@ class GraphedModule:
         # a graph computes the gradients of the parameters that trained at its capture: a layer unfrozen since
         # (Lightning's BackboneFinetuning) needs another graph, or none
         signature = (_signature(leaves, spec), tuple(p.requires_grad for p in self._params))
-        if signature not in self._graphs and self.capture_allowed and self._room_for(signature):
+        self._calls += 1
+        self._last_call[signature[1]] = self._calls
+        if signature not in self._graphs and self.capture_allowed and self._make_room(signature):
             self._capture(signature, leaves, args, kwargs)
             self.captured_during_last_call = signature in self._graphs
         if signature not in self._graphs:
@@ -258,21 +267,33 @@ class GraphedModule:
         self.replays += 1
         return out
 
-    def _room_for(self, signature: tuple) -> bool:
-        """At most ``max_graphs`` call signatures, each for at most :data:`TRAINABLE_SETS` sets of trainable
-        parameters."""
-        calls = {call for call, _ in self._graphs} | {signature[0]}
-        trainable_sets = {trainable for _, trainable in self._graphs} | {signature[1]}
-        return len(calls) <= self.max_graphs and len(trainable_sets) <= TRAINABLE_SETS
+    def _make_room(self, signature: tuple) -> bool:
+        """Whether a graph for ``signature`` may be captured: at most ``max_graphs`` call signatures, each for at
+        most :data:`TRAINABLE_SETS` sets of trainable parameters, the set used least recently making way for a new
+        one :data:`SET_REPLACEMENTS` times."""
+        call, trainable = signature
+        if len({c for c, _ in self._graphs} | {call}) > self.max_graphs:
+            return False
+        trainable_sets = {t for _, t in self._graphs}
+        if trainable in trainable_sets or len(trainable_sets) < TRAINABLE_SETS:
+            return True
+        if not self._replacements_left:
+            return False
+        self._replacements_left -= 1
+        oldest = min(trainable_sets, key=self._last_call.__getitem__)
+        for key in [key for key in self._graphs if key[1] == oldest]:
+            del self._graphs[key]
+        gc.collect()  # the dropped graphs' memory pools go
+        return True
 
     def _say_if_trainable_changed(self, signature: tuple) -> None:
-        """Once: a call like a captured one but with a set of trainable parameters beyond the graphs' runs without
-        a graph."""
+        """Once: a call like a captured one but with a set of trainable parameters the graphs no longer follow
+        runs without a graph."""
         if not self._said_trainable and any(call == signature[0] for call, _ in self._graphs):
             self._said_trainable = True
             rank_zero_info(f"FuseCallback: the parameters that train in {self.name!r} changed (a layer frozen or "
-                           f"unfrozen) into a set beyond the {TRAINABLE_SETS} its CUDA graphs are kept for: calls "
-                           "with that set run without a graph.")  # fmt: skip
+                           f"unfrozen) more often than its CUDA graphs follow ({TRAINABLE_SETS} sets at once, "
+                           f"{SET_REPLACEMENTS} replaced): calls with a new set run without a graph.")  # fmt: skip
 
     def run_inner(self, *args: Any, **kwargs: Any) -> Any:
         """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""

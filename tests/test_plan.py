@@ -12,7 +12,14 @@ import torch
 from torch import nn
 
 from lightning_fuse.compiler import CompileOptions
-from lightning_fuse.graphs import GraphedModule, call_signature, graph_target, release_capture_graph
+from lightning_fuse.graphs import (
+    SET_REPLACEMENTS,
+    TRAINABLE_SETS,
+    GraphedModule,
+    call_signature,
+    graph_target,
+    release_capture_graph,
+)
 from lightning_fuse.plan import Regions, Setting, Whole, candidates, forced_plan
 from lightning_fuse.regions import Region, resolve_regions
 from tests.toy import ToyTask
@@ -251,9 +258,17 @@ def test_two_optimizers_toggling_each_others_parameters_replay_a_graph_each():
     assert graphed.graphs == 2 and graphed.replays == 6
 
 
-def test_a_third_set_of_trainable_parameters_runs_without_a_graph_and_says_so_once(caplog):
-    graphed = train_in_twins(KwargsNet("dict"), [("head",), ("embed",), ("embed", "head"), ("embed", "head")])
-    assert graphed.graphs == 2 and graphed.replays == 2, "the third set trains right, without a graph"
+def test_the_set_used_least_recently_makes_way_for_a_new_one():
+    # the plan search calls the network with every parameter trainable, the training steps toggle two halves
+    graphed = train_in_twins(KwargsNet("dict"), [("embed", "head"), *[("embed",), ("head",)] * 3])
+    assert graphed.graphs == 2 and graphed.replays == 7
+
+
+def test_sets_that_keep_changing_run_without_a_graph_and_say_so_once(caplog):
+    sets = [("head",), ("embed",), ("embed", "head")] * 4  # three sets in turn: graphs could never keep up
+    graphed = train_in_twins(KwargsNet("dict"), sets)
+    assert caplog.text.count("captured a CUDA graph") == TRAINABLE_SETS + SET_REPLACEMENTS, "then no more captures"
+    assert graphed.graphs == 2 and graphed.replays == 10, "the two sets kept replay their graphs"
     assert caplog.text.count("the parameters that train in 'net' changed") == 1, "said once"
 
 
