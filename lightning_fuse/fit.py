@@ -29,7 +29,7 @@ from lightning_fuse import compat, gpu
 from lightning_fuse.call_shapes import CallShapes
 from lightning_fuse.compiler import plain_eager
 from lightning_fuse.plan import Plan, Setting
-from lightning_fuse.running_guard import PLAN, RunningGuard, window_speedup
+from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims)
 from lightning_fuse.timing import (COMPILED, EAGER, LEAD_IN, SKIPPED, UNKNOWN_EPOCH_STEPS, EagerSchedule,
@@ -194,8 +194,8 @@ class FitState:
             if self.step_kind != SKIPPED:
                 self.items.append(items)
         self.step_compiles = self.tracker.total_compiles
-        if self.plan is not None:
-            self.pace.begin(PLAN if not eager else self.step_kind)  # the running guard times eager's timed steps
+        # the running guard times the plan's steps, eager's timed reference steps and the eager steps before the plan
+        self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
         if eager:
             self._enter_eager(count_flops=self.needs_flops() and not timed and profile is None)
         else:
@@ -250,10 +250,10 @@ class FitState:
         self.setting.policy.dynamic_sizes = dims.apply(batch, partial) | mark_dims(batch, self.varying_dims)
 
     def eager_step_ms(self) -> float | None:
-        """Eager's step for the running guard: its own timed reference steps, else the reference pool's median
-        (earlier epochs), else the search's eager trial (one forward and backward)."""
-        trial = self.decision.trials[0].ms if self.decision is not None and self.decision.trials else None
-        return self.pace.eager_ms() or self.pool.median() or trial
+        """Eager's whole step for the running guard: its own timed reference steps, else the reference pool's
+        median (earlier epochs), else the eager steps before the plan. Never the search's eager trial: it times
+        the forward and backward alone, and beside a step whose optimizer takes long every plan would look slow."""
+        return self.pace.eager_ms() or self.pool.median() or self.pace.before_ms()
 
     def speedup_over_window(self, plan_ms: list[float]) -> float | None:
         """The running guard's speedup over a window whose plan steps took ``plan_ms`` (``None``: not judged, the

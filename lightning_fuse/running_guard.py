@@ -36,6 +36,8 @@ GUARD_WINDOW = 30
 capturing steps, short enough that a crawling plan (3 s a step where eager takes 0.2 s) costs about 1.5 minutes."""
 PLAN = "plan"
 """A step that runs the plan (the eager reference's timed steps are :data:`~lightning_fuse.timing.EAGER`)."""
+BEFORE = "before"
+"""An eager step before the plan is installed (the first steps, which the plan search waits for)."""
 EAGER_SAMPLES = 20
 """The guard's most recent eager reference steps kept for eager's median (four of the reference's chunks)."""
 
@@ -61,11 +63,13 @@ class RunningGuard:
         self._clock = clock
         self._plan_ms: list[float] = []
         self._eager_ms: deque[float] = deque(maxlen=EAGER_SAMPLES)
+        self._before_ms: deque[float] = deque(maxlen=EAGER_SAMPLES)
         self._steps = 0
         self._open: tuple[str | None, float] | None = None  # the running step's kind and start
 
     def begin(self, kind: str | None) -> None:
-        """A step starts: ``PLAN`` (it runs the plan), ``EAGER`` (a timed reference step) or ``None`` (not timed)."""
+        """A step starts: ``PLAN`` (it runs the plan), ``EAGER`` (a timed reference step), ``BEFORE`` (an eager
+        step before the plan, outside every window) or ``None`` (not timed)."""
         self._open = (kind, self._clock())
 
     def end(self) -> list[float] | None:
@@ -75,6 +79,9 @@ class RunningGuard:
         kind, start = self._open
         self._open = None
         ms = (self._clock() - start) * 1e3
+        if kind == BEFORE:
+            self._before_ms.append(ms)
+            return None  # windows count the steps since the plan was installed
         if kind == PLAN:
             self._plan_ms.append(ms)
         elif kind == EAGER:
@@ -88,6 +95,12 @@ class RunningGuard:
     def eager_ms(self) -> float | None:
         """The median of the recent eager reference steps the guard timed (``None``: none yet)."""
         return statistics.median(self._eager_ms) if self._eager_ms else None
+
+    def before_ms(self) -> float | None:
+        """The median of the eager steps before the plan but the first, which creates the optimizer's state and the
+        libraries' handles (``None``: no such step)."""
+        later = list(self._before_ms)[1:]
+        return statistics.median(later) if later else None
 
 
 def window_speedup(plan_ms: Sequence[float], eager_ms: float | None, least: int = 1) -> float | None:

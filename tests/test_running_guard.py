@@ -13,7 +13,7 @@ from lightning_fuse.compiler import CompiledRegion, CompileOptions
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
-from lightning_fuse.running_guard import EAGER, PLAN, RunningGuard, window_speedup
+from lightning_fuse.running_guard import BEFORE, EAGER, PLAN, RunningGuard, window_speedup
 from lightning_fuse.search import PlanSearch
 from tests.toy import ToyTask, trainer
 
@@ -87,6 +87,19 @@ def test_a_window_closes_every_window_steps_and_eager_steps_are_kept_apart():
     assert window_speedup([4.0], eager_ms=2.5, least=2) is None and window_speedup([4.0], eager_ms=None) is None
 
 
+def test_the_steps_before_the_plan_are_timed_outside_every_window_the_first_left_out():
+    durations = iter([900.0, 30.0, 20.0, 5.0, 5.0])  # ms: the first step creates the optimizer's state
+    now = [0.0]
+    guard = RunningGuard(window=2, clock=lambda: now[0])
+    closed = []
+    for kind in (BEFORE, BEFORE, BEFORE, PLAN, PLAN):
+        guard.begin(kind)
+        now[0] += next(durations) / 1e3
+        closed.append(guard.end())
+    assert closed == [None, None, None, None, pytest.approx([5.0, 5.0])], "windows count from the plan on"
+    assert guard.before_ms() == pytest.approx(25.0) and guard.eager_ms() is None
+
+
 class PlanPerStep(Callback):
     """After FuseCallback: the plan in force at the end of every training step."""
 
@@ -109,23 +122,31 @@ class FakeClock:
         return self.now
 
 
-def slow_regions_fit(monkeypatch, steps: int, broadcast=None) -> tuple[FuseCallback, PlanPerStep]:
-    """A fit whose search picks ``regions`` (pinned timing) though each compiled region's call takes 10 ms on the
-    guard's clock: the plan crawls in training, the eager reference steps do not (they bypass the regions).
-    ``broadcast(fuse)`` makes the strategy's broadcast."""
-    clock, plain_init, plain_call = FakeClock(), RunningGuard.__init__, CompiledRegion.__call__
+def regions_win_on_a_fake_clock(monkeypatch) -> FakeClock:
+    """The search picks ``regions`` (its forward+backward pinned at 1 ms, every other plan's at 10 ms), and the
+    running guard reads the returned clock."""
+    clock, plain_init = FakeClock(), RunningGuard.__init__
 
     def pinned_time(self, plan, call):
         call()
         return 1.0 if plan.name == "regions" else 10.0
 
+    monkeypatch.setattr(PlanSearch, "_time", pinned_time)
+    monkeypatch.setattr(RunningGuard, "__init__", lambda self, window=None: plain_init(self, window, clock))
+    return clock
+
+
+def slow_regions_fit(monkeypatch, steps: int, broadcast=None) -> tuple[FuseCallback, PlanPerStep]:
+    """A fit whose search picks ``regions`` though each compiled region's call takes 10 ms on the guard's clock:
+    the plan crawls in training, the eager reference steps do not (they bypass the regions).
+    ``broadcast(fuse)`` makes the strategy's broadcast."""
+    clock, plain_call = regions_win_on_a_fake_clock(monkeypatch), CompiledRegion.__call__
+
     def slow_call(self, *args, **kwargs):
         clock.now += 0.01
         return plain_call(self, *args, **kwargs)
 
-    monkeypatch.setattr(PlanSearch, "_time", pinned_time)
     monkeypatch.setattr(CompiledRegion, "__call__", slow_call)
-    monkeypatch.setattr(RunningGuard, "__init__", lambda self, window=None: plain_init(self, window, clock))
     fuse = FuseCallback(backend="aot_eager", cache_dir=False)
     probe = PlanPerStep(fuse)
     t = trainer([fuse, probe], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
@@ -148,6 +169,26 @@ def test_a_plan_slower_than_eager_is_dropped_within_the_guards_window_mid_epoch(
     assert fuse.decision.winner == "regions" and "over its last 30 steps" in fuse.fit.dropped
     assert fuse.history[0]["fuse/plan_dropped"] == 1.0 and fuse.plan.name == "eager"
     assert fuse.verdict.startswith("FuseCallback: the plan was dropped, it measured ")
+
+
+class SlowOptimizer(Callback):
+    """Each optimizer step takes 50 ms on the guard's clock (a foreach AdamW with clipping, say)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.clock.now += 0.05
+
+
+def test_a_slow_optimizer_step_is_not_taken_for_a_slow_plan(monkeypatch):
+    """Without eager reference steps the guard compares the plan's whole steps with eager's whole steps before the
+    plan, not with the search's eager forward+backward (10 ms here, beside steps of 50 ms)."""
+    clock = regions_win_on_a_fake_clock(monkeypatch)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
+    t = trainer([fuse, SlowOptimizer(clock)], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
+    t.fit(ToyTask(samples=16 * 40))
+    assert fuse.decision.winner == "regions" and fuse.fit.dropped is None and fuse.plan.name == "regions"
 
 
 def test_rank_zeros_word_decides_once_per_window(monkeypatch):
