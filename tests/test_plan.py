@@ -226,6 +226,23 @@ def test_gradients_kept_across_replays_are_never_overwritten_by_the_next_one(zer
     graphed.uninstall()
 
 
+def test_a_replay_copies_no_gradient_that_is_zeroed_before_its_backward():
+    net = KwargsNet("dict")
+    graphed = GraphedModule("net", net, capture=grad_buffer_capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    ids = torch.randint(0, 10, (2, 5))
+    net(input_ids=ids)["loss"].backward()
+    buffers = [p.grad for p in net.parameters()]  # the graph's own buffers, kept by autograd
+    out = net(input_ids=ids)
+    assert all(p.grad is buffer for p, buffer in zip(net.parameters(), buffers)), "nothing copied at the forward"
+    net.zero_grad()  # Lightning zeroes between the forward and the backward
+    out["loss"].backward()
+    assert graphed.replays == 2
+    assert all(p.grad.data_ptr() == buffer.data_ptr() for p, buffer in zip(net.parameters(), buffers))
+    graphed.uninstall()
+
+
 def train_in_twins(net: nn.Module, trainable_sets: list[tuple[str, ...]]) -> GraphedModule:
     """For each set of trainable children (the others frozen) a forward+backward on ``net`` graphed and on a twin
     without any graph: their gradients agree after every step."""
