@@ -4,7 +4,8 @@ For the recipe GPT at batch 8, the recipe ResNet-18 at 16 and two zoo models at 
 ``reduce_overhead`` and ``fuse`` (``FuseCallback(eager_steps=0)``: every step compiled) trains 200 steps with an
 LR scheduler stepping every step and ``gradient_clip_val=1.0``; then, in the same fit, ``torch.profiler`` records
 5 more steps: ``floor_ms`` is the sum of the CUDA kernels' durations per step, ``busy_frac`` = floor / step.
-An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean).
+An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean). Each
+child's log (``--logs``) holds the profiled steps' 20 host operations that took the most CPU time.
 On the GPU:
 
     python benchmarks/whole_step.py --budget-s 540
@@ -57,6 +58,8 @@ class KernelWindow(pl.Callback):
                        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
             us = sum(e.time_range.end - e.time_range.start for e in kernels)
             self.floor_ms = us / 1e3 / self.count if kernels else None
+            # where the host time goes, for the child's log (--logs): what keeps the GPU idle
+            print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 def clipped(spec: dict, batches: int) -> tuple[models.Task, Any]:
