@@ -1,9 +1,11 @@
 """Training patterns users bring to FuseCallback: does it still train, how fast, how often does it recompile?
 
 Each (model, pattern, variant) trains in its own process; ``step_ms`` is per batch (a micro-batch under
-gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start to end (compiling included), ``final_loss`` the mean loss of the last 10 steps,
-``recompiles`` FuseCallback's count. Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the
-pattern applies, and the recipe ``gpt`` with mixture-of-experts MLPs for ``moe``. On the GPU:
+gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start to end (compiling included),
+``final_loss`` the mean loss of the last 10 steps, ``recompiles`` FuseCallback's count. Models: ``llama``
+(transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta`` (fuse's plan for
+them is torch's cudagraph trees) for ``accumulate_clip``, and the recipe ``gpt`` with mixture-of-experts MLPs for
+``moe``. On the GPU:
 
     python benchmarks/patterns.py --patterns all --budget-s 540
     python benchmarks/patterns.py --smoke --patterns moe,accumulate_clip --variants fuse   # CPU, the code path
@@ -25,6 +27,8 @@ from torch.utils.data import DataLoader
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles", "plan",
           "graphs", "ran", "error")
 HF, VISION = ("llama",), ("resnet50",)
+TREES = ("vit", "deberta")
+"""Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead")
 
 
@@ -136,7 +140,7 @@ PATTERNS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Callable, dict]] = {
     "lora": (HF, ALL_VARIANTS, lora, {}),
     "frozen_backbone": (HF + VISION, ALL_VARIANTS, frozen_backbone, {}),
     "two_optimizers": (HF + VISION, ALL_VARIANTS, nothing, {"optimizers": 2}),
-    "accumulate_clip": (HF + VISION, ALL_VARIANTS, clipped, {"accumulate_grad_batches": 4, "gradient_clip_val": 1.0}),
+    "accumulate_clip": (HF + VISION + TREES, ALL_VARIANTS, clipped, {"accumulate_grad_batches": 4, "gradient_clip_val": 1.0}),
     "fp16_scaler": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "16-mixed"}),
     "bf16_true": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "bf16-true"}),
     "precompiled": (HF + VISION, ("eager", "fuse"), precompiled, {}),
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
                 "warmup": warmup, "smoke": args.smoke} for variant in PATTERNS[pattern][1] if variant in wanted]
               for pattern in harness.split(args.patterns, list(PATTERNS))
-              for model, batch in models.regimes(args, HF + VISION + ("gpt",)) if model in PATTERNS[pattern][0]]
+              for model, batch in models.regimes(args, HF + VISION + TREES + ("gpt",)) if model in PATTERNS[pattern][0]]
     return harness.run(args, "patterns.py", measure, FIELDS, groups)
 
 
