@@ -271,10 +271,13 @@ def repeated_blocks(net: nn.Module) -> list[nn.Module]:
 
 
 class MarkStep(pl.Callback):
-    """``reduce-overhead`` needs each step's start marked, or its CUDA graphs take the last step's outputs as live."""
+    """``reduce-overhead`` needs each iteration's start marked, or its CUDA graphs take the last step's outputs as
+    live; under gradient accumulation only the first micro-batch's (marking each frees the trees' gradient outputs
+    while they are still being summed: "accessing tensor output of CUDAGraphs that has been overwritten")."""
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        torch.compiler.cudagraph_mark_step_begin()
+        if idx % trainer.accumulate_grad_batches == 0:
+            torch.compiler.cudagraph_mark_step_begin()
 
 
 def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None = None, **fuse_kw: Any) -> list:

@@ -193,7 +193,10 @@ class FuseCallback(Callback):
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
             fit.timer.interrupt()  # the search is not training time: the reference's budget is a share of that
             fit.timer.start()
-        fit.begin_step(batch, batch_idx, self.options.length_fn)
+        # Lightning steps the optimizer after every accumulate_grad_batches-th batch (and an epoch's last): an
+        # iteration starts at the batch after
+        iteration_start = batch_idx % trainer.accumulate_grad_batches == 0
+        fit.begin_step(batch, batch_idx, self.options.length_fn, iteration_start)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

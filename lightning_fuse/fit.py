@@ -177,10 +177,12 @@ class FitState:
         """The plan's CUDA graph over the network, if it has one."""
         return self.plan.graph if self.plan is not None else None
 
-    def begin_step(self, batch: Any, batch_idx: int, length_fn: Callable[[Any], Any] | None) -> None:
+    def begin_step(self, batch: Any, batch_idx: int, length_fn: Callable[[Any], Any] | None,
+                   iteration_start: bool = True) -> None:  # fmt: skip
         """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped) and enter it: an eager
         step runs everything eagerly (and counts FLOPs where it is untimed and unprofiled, on a GPU), a plan step
-        begins the plan's step and arms the backward guard."""
+        begins the plan's iteration (``iteration_start``: not a later micro-batch of an accumulation) and arms the
+        backward guard."""
         size = batch_size(batch)
         self.nominal_batch = max(self.nominal_batch, size)
         eager = self.plan is None or self.schedule.is_eager(self.steps)
@@ -198,7 +200,7 @@ class FitState:
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
         if eager:
             self._enter_eager(count_flops=self.needs_flops() and not timed and profile is None)
-        else:
+        elif iteration_start:
             self.plan.step_begin()
         self.guard.arm(batch, batch_idx, armed=not eager and self.plan.owned)
 

@@ -108,7 +108,8 @@ class Plan:
         """Take it off (the work it compiled or captured is kept, for a later :meth:`install`)."""
 
     def step_begin(self) -> None:
-        """Called before every step that runs this plan."""
+        """Called before the first forward of every training iteration that runs this plan (under gradient
+        accumulation, before its first micro-batch only)."""
 
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         """Why this plan cannot work here, found cheaply before it is compiled (``None``: try it).
@@ -193,7 +194,9 @@ class Regions(Plan):
 
     def step_begin(self) -> None:
         if self.setting.options.mode in GRAPHING_MODES:
-            # cudagraph trees: a new training iteration begins, so last step's graph outputs may be overwritten
+            # cudagraph trees: a new training iteration begins, so last step's graph outputs may be overwritten.
+            # Not between micro-batches: their gradients, outputs of the trees' backward, are still being summed
+            # (marking each one fails with "accessing tensor output of CUDAGraphs that has been overwritten")
             torch.compiler.cudagraph_mark_step_begin()
 
     def release(self) -> None:

@@ -16,6 +16,7 @@ import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.compiler import CompiledRegion
 from lightning_fuse.decision import Decision
+from lightning_fuse.plan import Regions
 from lightning_fuse.running_guard import RunningGuard, window_speedup
 from lightning_fuse.timing import StepTimer
 from tests.toy import ToyTask, trainer
@@ -339,6 +340,16 @@ def test_the_first_compiled_step_starts_without_stale_gradients_unless_they_accu
     assert probe.has_grad[1:3] == [True, True]  # the eager steps keep Lightning's own order
     assert probe.has_grad[3] is (accumulate > 1)  # step 3 compiles: its stale gradients are gone, unless accumulating
     assert probe.has_grad[4] is True
+
+
+def test_under_gradient_accumulation_a_plan_begins_an_iteration_at_its_first_micro_batch_only(monkeypatch):
+    """cudagraph trees are told a new iteration began once per optimizer step: marking every micro-batch frees the
+    trees' gradient outputs while they are still being summed (the `reduce-overhead` one-liner's crash on the GPU)."""
+    begun = []
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=0)  # compiled from step 0
+    monkeypatch.setattr(Regions, "step_begin", lambda self: begun.append(fuse.fit.steps))
+    fit([fuse], epochs=1, samples=160, accumulate_grad_batches=3)  # 10 batches: optimizer steps after 2, 5, 8, 9
+    assert begun == [0, 3, 6, 9]
 
 
 def test_the_speedup_reaches_the_progress_bar():
