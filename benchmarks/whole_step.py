@@ -4,7 +4,10 @@ For the recipe GPT at batch 8, the recipe ResNet-18 at 16 and two zoo models at 
 ``reduce_overhead`` and ``fuse`` (``FuseCallback(eager_steps=0)``: every step compiled) trains 200 steps with an
 LR scheduler stepping every step and ``gradient_clip_val=1.0``; then, in the same fit, ``torch.profiler`` records
 5 more steps: ``floor_ms`` is the sum of the CUDA kernels' durations per step, ``busy_frac`` = floor / step.
-An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean). Each
+An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean) and
+``param_gap``: how far apart the two fits' final parameters are, over how far eager's moved from the shared start
+(0: the same parameters; near 1: as far apart as training moves them). A single run's losses are a weak check: these
+short fits memorise random batches, and eager alone ends 10% apart between processes on the GPU. Each
 child's log (``--logs``) holds the profiled steps' 20 host operations that took the most CPU time.
 On the GPU:
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import harness
@@ -25,7 +29,7 @@ import models
 import torch
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
-          "error")  # fmt: skip
+          "param_gap", "error")  # fmt: skip
 VARIANTS = ("reduce_overhead", "fuse")
 PROFILED = 5
 
@@ -75,7 +79,9 @@ def measure(spec: dict) -> dict:
     steps, warmup = spec["steps"], spec["warmup"]
     trainer_kw = {"gradient_clip_val": 1.0, "steps": steps + PROFILED, "warmup": warmup}
     task, loader = clipped(spec, steps + PROFILED)
+    start = cpu_copy(task.model.parameters())
     eager = harness.fit(task, loader, **trainer_kw)
+    eager_end = cpu_copy(task.model.parameters())
     task, loader = clipped(spec, steps + PROFILED)
     started = time.perf_counter()
     callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
@@ -85,7 +91,26 @@ def measure(spec: dict) -> dict:
     step_ms = statistics.median(timed) if timed else None
     busy = window.floor_ms / step_ms if window.floor_ms and step_ms else None
     return {**result, "step_ms": step_ms, "floor_ms": window.floor_ms, "busy_frac": busy,
-            "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"]}  # fmt: skip
+            "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"],
+            "param_gap": parameter_gap(start, eager_end, cpu_copy(task.model.parameters()))}  # fmt: skip
+
+
+def cpu_copy(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.detach().to("cpu", torch.float32, copy=True) for p in params]
+
+
+def parameter_gap(start: list[torch.Tensor], eager: list[torch.Tensor], other: list[torch.Tensor]) -> float | None:
+    """The distance between two fits' final parameters over the distance eager's moved from their shared start.
+
+    Example::
+
+        >>> start, eager = [torch.zeros(2)], [torch.tensor([3.0, 4.0])]
+        >>> parameter_gap(start, eager, [torch.tensor([3.0, 4.5])])
+        0.1
+    """
+    moved = sum(float((e - s).pow(2).sum()) for s, e in zip(start, eager, strict=True)) ** 0.5
+    apart = sum(float((o - e).pow(2).sum()) for e, o in zip(eager, other, strict=True)) ** 0.5
+    return apart / moved if moved else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -184,6 +184,7 @@ def test_whole_step_and_overhead(tmp_path: Path, in_process) -> None:
     _check([record], whole_step.FIELDS, 1)
     assert record["step_ms"] > 0 and record["floor_ms"] is None, "no CUDA kernels on CPU"
     assert record["final_loss"] > 0 and record["eager_final_loss"] > 0
+    assert 0 <= record["param_gap"] < 0.1, "the same training, compiled or not"
     out = tmp_path / "overhead.jsonl"
     assert overhead.main(["--smoke", "--variants", "no_nvml", "--out", str(out)]) == 0
     (record,) = _records(out)
