@@ -247,7 +247,7 @@ class GraphedModule:
         if self._capturing or not self._eligible(leaves):
             return self.run_inner(*args, **kwargs)
         # a graph computes the gradients of the parameters that trained at its capture: a layer unfrozen since
-        # (Lightning's BackboneFinetuning) needs another graph, or none
+        # (Lightning's BackboneFinetuning), or the other optimizer's half (toggle_optimizer), needs a graph of its own
         signature = (_signature(leaves, spec), tuple(p.requires_grad for p in self._params))
         self._calls += 1
         self._last_call[signature[1]] = self._calls
