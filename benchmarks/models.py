@@ -243,13 +243,14 @@ def regimes(args: Any, allowed: Sequence[str] = ()) -> list[tuple[str, int]]:
     return [(model, batch_size(model, which, args.smoke)) for model in names for which in args.batches.split(",")]
 
 
-def build(model: str, batch: int, smoke: bool, length: int, scheduler: bool = False,
-          seed: int = 0) -> tuple[Task, DataLoader]:  # fmt: skip
-    """The model's :class:`Task` and a loader of ``length`` batches (one epoch), from ``seed``."""
+def build(model: str, batch: int, smoke: bool, length: int, scheduler: bool = False, seed: int = 0,
+          fused: bool = True) -> tuple[Task, DataLoader]:  # fmt: skip
+    """The model's :class:`Task` (``scheduler``, ``fused``: as :class:`Task` takes them) and a loader of ``length``
+    batches (one epoch), from ``seed``."""
     pl.seed_everything(seed, verbose=False)
     net, loss_fn, batches = MODELS[model][1](batch, smoke)
     data = Batches(batches, length)
-    return Task(net, loss_fn, data, scheduler=scheduler), DataLoader(data, batch_size=None)
+    return Task(net, loss_fn, data, scheduler=scheduler, fused=fused), DataLoader(data, batch_size=None)
 
 
 def repeated_blocks(net: nn.Module) -> list[nn.Module]:

@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import harness
@@ -66,23 +67,18 @@ class KernelWindow(pl.Callback):
             print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
-def clipped(spec: dict, batches: int) -> tuple[models.Task, Any]:
-    """The model with a scheduler and a foreach AdamW: Lightning refuses to clip a fused optimizer's gradients
-    under mixed precision (fused AdamW unscales them itself)."""
-    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], batches, scheduler=True)
-    task.fused = False
-    return task, loader
-
-
 def measure(spec: dict) -> dict:
     """An eager fit, then the variant's fit with the profiled steps after the timed ones (one process)."""
     steps, warmup = spec["steps"], spec["warmup"]
     trainer_kw = {"gradient_clip_val": 1.0, "steps": steps + PROFILED, "warmup": warmup}
-    task, loader = clipped(spec, steps + PROFILED)
+    # a foreach AdamW: Lightning refuses to clip a fused optimizer's gradients under mixed precision
+    build = partial(models.build, spec["model"], spec["batch_size"], spec["smoke"], steps + PROFILED, scheduler=True,
+                    fused=False)  # fmt: skip
+    task, loader = build()
     start = cpu_copy(task.model.parameters())
     eager = harness.fit(task, loader, **trainer_kw)
     eager_end = cpu_copy(task.model.parameters())
-    task, loader = clipped(spec, steps + PROFILED)
+    task, loader = build()
     started = time.perf_counter()
     callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
     window = KernelWindow(steps, PROFILED)

@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_fuse import compat
 from lightning_fuse.buckets import suggest_buckets
-from lightning_fuse.compiler import _changes_in_training
+from lightning_fuse.compiler import changes_in_training
 from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
 from lightning_fuse.plan import for_varying_shapes
 from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
@@ -95,7 +95,7 @@ def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
     fit.setting.policy.dynamic_sizes |= mark_dims((call.args, call.kwargs), fit.varying_dims)
     consensus = Consensus(lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
                           trainer.strategy.broadcast)  # fmt: skip
-    deterministic = not _changes_in_training(module)
+    deterministic = not changes_in_training(module)
     search = PlanSearch(fit.candidates, consensus, reference=call.last if deterministic else None)
     with sandbox(module):
         return search.run(call)

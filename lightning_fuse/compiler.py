@@ -201,7 +201,7 @@ class CompiledRegion:
 
     def _verified_call(self, mode: ModeKey, args: tuple, kwargs: dict) -> Any:
         module = self.region.module
-        if module.training and torch.is_grad_enabled() and _changes_in_training(module):
+        if module.training and torch.is_grad_enabled() and changes_in_training(module):
             # dropout draws other random numbers when compiled, and running batch-norm twice would update its
             # statistics twice: such regions are checked on their first eval call instead
             return self._guarded_call(mode, args, kwargs)
@@ -281,7 +281,7 @@ def forced_eager() -> bool:
     return torch.compiler.is_compiling() or compat.active_stance() == "force_eager"
 
 
-def _changes_in_training(module: nn.Module) -> bool:
+def changes_in_training(module: nn.Module) -> bool:
     """Whether a training-mode call is random (dropout) or updates state (buffers such as batch-norm statistics)."""
     if next(module.buffers(), None) is not None:
         return True
@@ -306,7 +306,7 @@ def _compare(out: Any, reference: Any) -> str | None:
     for index, (a, b) in enumerate(zip(got, want)):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.is_floating_point()):
             continue
-        rtol, atol = TOLERANCES[_effective_dtype(b)]
+        rtol, atol = TOLERANCES[effective_dtype(b)]
         try:
             torch.testing.assert_close(a.detach(), b, rtol=rtol, atol=atol)
         except AssertionError as err:
@@ -314,7 +314,7 @@ def _compare(out: Any, reference: Any) -> str | None:
     return None
 
 
-def _effective_dtype(tensor: torch.Tensor) -> torch.dtype:
+def effective_dtype(tensor: torch.Tensor) -> torch.dtype:
     """The precision the math behind ``tensor`` actually ran in: autocast and TF32 lower it below the output's."""
     if not tensor.is_floating_point() or tensor.dtype not in TOLERANCES:
         return torch.float32

@@ -317,8 +317,8 @@ class GraphedModule:
             graphed = graphed.__dict__.pop("forward") if isinstance(graphed, nn.Module) else graphed
             release_capture_graph(graphed)
             self._graphs[signature] = (flat, graphed)
-            rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward ({len(self._graphs)}"
-                           f" so far; at most {self.max_graphs} per set of trainable parameters).")  # fmt: skip
+            rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward "
+                           f"({len(self._graphs)} so far; at most {self.max_graphs} per set of trainable parameters).")
         except Uncapturable as err:
             self.disable(str(err))
         except Exception as err:  # noqa: BLE001 - a capture failure must not cost the run

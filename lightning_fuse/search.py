@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from lightning_fuse import compat
-from lightning_fuse.compiler import TOLERANCES, _effective_dtype, describe_error
+from lightning_fuse.compiler import TOLERANCES, describe_error, effective_dtype
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
 from lightning_fuse.state import Snapshot
@@ -164,7 +164,7 @@ class PlanSearch:
             self._eager_reference = (loss, norm)
             return None
         for what, got, want in zip(("loss", "gradient norm"), (loss, norm), self._eager_reference):
-            rtol, atol = TOLERANCES[_effective_dtype(want)]
+            rtol, atol = TOLERANCES[effective_dtype(want)]
             if not torch.allclose(got.float(), want.float(), rtol=4 * rtol, atol=4 * atol):
                 return f"its {what} {got.item():.6g} differs from eager's {want.item():.6g}"
         return None
