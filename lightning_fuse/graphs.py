@@ -258,10 +258,9 @@ class GraphedModule:
             self._say_if_trainable_changed(signature)
             return self.run_inner(*args, **kwargs)
         flat, graphed = self._graphs[signature]
+        own_kept_gradients(flat.trained)
         try:
-            outputs = graphed(*flat.pick(leaves))
-            own_kept_gradients_before_backward(outputs, flat.trained)
-            out = flat.rebuild(outputs)
+            out = flat.rebuild(graphed(*flat.pick(leaves)))
         except Exception as err:  # noqa: BLE001 - a replay that fails costs the graph, never the run
             self.disable(f"its replay failed ({describe_error(err)})")
             return self.run_inner(*args, **kwargs)
@@ -406,42 +405,16 @@ def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) ->
     return None
 
 
-def own_kept_gradients_before_backward(outputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-    """Once the replay's backward is about to run (the first of ``outputs`` to receive its gradient), give every
-    gradient of ``params`` still held then memory of its own (:func:`own_kept_gradients`).
-
-    Not before the forward: Lightning zeroes the gradients between the forward and the backward, so at the forward
-    every gradient is still held and would be copied for nothing.
-
-    Example::
-
-        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2); held = p.grad
-        >>> out = p * 2
-        >>> own_kept_gradients_before_backward([out], [p])
-        >>> p.grad is held  # nothing copied before the backward
-        True
-        >>> out.sum().backward(); held.tolist(), p.grad.tolist()
-        ([1.0, 1.0], [3.0, 3.0])
-    """
-    pending = [True]
-
-    def before_backward(grad: torch.Tensor) -> None:
-        if pending:
-            pending.clear()
-            own_kept_gradients(params)
-
-    for output in outputs:
-        if output.requires_grad:
-            output.register_hook(before_backward)
-
-
 def own_kept_gradients(params: Sequence[nn.Parameter]) -> None:
-    """Give every gradient still held before a replay's backward memory of its own.
+    """Give every gradient still held before a replay memory of its own.
 
     A replay's backward writes the parameters' gradients into the graph's own buffers, and autograd keeps such a
     buffer as the ``.grad`` of a parameter that had none. A gradient that outlives its step (accumulated over
     micro-batches, or zeroed in place rather than set to ``None``) would be overwritten by the next replay before
-    the new gradient is added to it. After ``zero_grad()``'s default (``None``) there is nothing to copy.
+    the new gradient is added to it: by its backward, and already by its forward, since the forward and the
+    backward graphs share one memory pool and a gradient buffer may sit where the forward keeps its temporaries
+    (on an H100, a bias's gradient did). So the copy is made before the forward, although Lightning zeroes the
+    gradients (to ``None``: nothing left to copy) only between the forward and the backward.
 
     Example::
 

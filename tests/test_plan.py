@@ -182,7 +182,9 @@ def test_replays_never_write_into_the_batches_a_user_keeps_on_the_device():
 
 def grad_buffer_capture(flat, tensors, num_warmup_iters):
     """As make_graphed_callables replays a backward: the parameters' gradients are written into the graph's own
-    buffers and handed to autograd detached, so that a parameter without a gradient keeps the buffer itself."""
+    buffers and handed to autograd detached, so that a parameter without a gradient keeps the buffer itself. The
+    forward scribbles over those buffers, as a forward's temporaries do where the two graphs' shared pool put a
+    gradient buffer in their memory (seen on an H100)."""
     params = [p for p in flat.parameters() if p.requires_grad]
     buffers = [torch.zeros_like(p) for p in params]
 
@@ -190,6 +192,8 @@ def grad_buffer_capture(flat, tensors, num_warmup_iters):
         @staticmethod
         def forward(ctx, *inputs):
             ctx.inputs = inputs[: len(tensors)]
+            for buffer in buffers:
+                buffer.fill_(1e6)  # the forward's temporaries
             return tuple(out.detach() for out in flat(*ctx.inputs))
 
         @staticmethod
@@ -223,23 +227,6 @@ def test_gradients_kept_across_replays_are_never_overwritten_by_the_next_one(zer
     assert graphed.replays == 4
     for got, want in zip(net.parameters(), twin.parameters()):
         torch.testing.assert_close(got.grad, want.grad)
-    graphed.uninstall()
-
-
-def test_a_replay_copies_no_gradient_that_is_zeroed_before_its_backward():
-    net = KwargsNet("dict")
-    graphed = GraphedModule("net", net, capture=grad_buffer_capture, on_device=lambda t: True)
-    graphed.install()
-    graphed.capture_allowed = True
-    ids = torch.randint(0, 10, (2, 5))
-    net(input_ids=ids)["loss"].backward()
-    buffers = [p.grad for p in net.parameters()]  # the graph's own buffers, kept by autograd
-    out = net(input_ids=ids)
-    assert all(p.grad is buffer for p, buffer in zip(net.parameters(), buffers)), "nothing copied at the forward"
-    net.zero_grad()  # Lightning zeroes between the forward and the backward
-    out["loss"].backward()
-    assert graphed.replays == 2
-    assert all(p.grad.data_ptr() == buffer.data_ptr() for p, buffer in zip(net.parameters(), buffers))
     graphed.uninstall()
 
 
