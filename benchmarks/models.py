@@ -56,7 +56,8 @@ class Task(pl.LightningModule):
         data: The batches; moved to the device at fit start, so no step copies its inputs.
         lr: AdamW's learning rate.
         scheduler: Step a warmup-then-cosine ``LambdaLR`` every step.
-        fused: A fused AdamW on CUDA (Lightning refuses to clip a fused optimizer's gradients under mixed precision).
+        fused: A fused AdamW on CUDA, else torch's default, foreach (Lightning refuses to clip a fused optimizer's
+            gradients under mixed precision).
     """
 
     def __init__(self, net: nn.Module, loss_fn: Callable, data: Batches, lr: float = 3e-4, scheduler: bool = False,
@@ -73,7 +74,8 @@ class Task(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         params = [p for p in self.model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=self.lr, fused=self.fused and self.device.type == "cuda")
+        # fused=False would not mean foreach: an explicit False leaves torch's default, foreach, off (a Python loop)
+        optimizer = torch.optim.AdamW(params, lr=self.lr, fused=(self.fused and self.device.type == "cuda") or None)
         if not self.scheduler:
             return optimizer
         total = max(self.trainer.max_steps, 1)

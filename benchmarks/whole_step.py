@@ -30,7 +30,7 @@ import models
 import torch
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
-          "param_gap", "error")  # fmt: skip
+          "param_gap", "ran", "error")  # fmt: skip
 VARIANTS = ("reduce_overhead", "fuse")
 PROFILED = 5
 

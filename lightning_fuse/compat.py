@@ -106,6 +106,11 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
                    "pass through compiled regions", required=False),
         PrivateAPI("torch.cuda._get_nvml_device_index", "NVML's index of a CUDA device", required=False),
         *(
+            PrivateAPI(f"torch.optim.optimizer.{name}", "telling a captured optimizer update from one with step hooks",
+                       required=False)
+            for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+        ),
+        *(
             PrivateAPI(f"torch.utils._pytree.{name}", "flattening inputs and outputs (no public torch.utils.pytree)")
             for name in ("tree_flatten", "tree_unflatten", "tree_leaves", "tree_map")
         ),
@@ -700,3 +705,67 @@ def _pytree(name: str) -> Callable[..., Any]:
         return getattr(importlib.import_module("torch.utils.pytree"), name)
     except (ImportError, AttributeError):
         return _get(f"torch.utils._pytree.{name}")  # TorchAPIChanged if torch moved it
+
+
+# ---------------------------------------------------------------------- the optimizer's step (optimizer_graph.py)
+# Lightning calls the torch optimizer's ``step(closure=...)`` from its precision plugin, and offers no public point
+# between the closure and the update; torch's LR schedulers wrap ``step`` on the instance the same way, marking it
+# ``_wrapped_by_lr_sched`` and setting ``optimizer._opt_called`` when it runs (the check behind their "called before
+# optimizer.step()" warning). tests/test_optimizer_graph.py fails where either changes.
+
+
+def replace_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``step`` the optimizer's ``step`` (on the instance) and return the one it replaces, which
+    :func:`restore_optimizer_step` puts back. An LR scheduler's mark on the replaced one is kept.
+
+    Example::
+
+        >>> opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+        >>> before = replace_optimizer_step(opt, lambda closure=None: "mine")
+        >>> opt.step(), restore_optimizer_step(opt, before), opt.step()
+        ('mine', None, None)
+    """
+    previous = optimizer.step
+
+    def replacement(*args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
+
+    if getattr(previous, "_wrapped_by_lr_sched", False):
+        replacement._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = replacement  # type: ignore[method-assign]
+    return previous
+
+
+def restore_optimizer_step(optimizer: torch.optim.Optimizer, previous: Callable[..., Any]) -> None:
+    """Undo :func:`replace_optimizer_step`: the instance's own ``step`` again where it had none."""
+    if getattr(previous, "__self__", None) is optimizer and getattr(previous, "__func__", None) is type(optimizer).step:
+        optimizer.__dict__.pop("step", None)
+    else:
+        optimizer.step = previous  # type: ignore[method-assign]
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tell the optimizer's LR scheduler that ``step`` ran (as its wrapper of ``step`` does)."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
+def silence_uncaptured_warning(optimizer: torch.optim.Optimizer) -> None:
+    """Spare the user torch's warning that a ``capturable`` optimizer steps outside a capture: FuseCallback's eager
+    reference steps do on purpose."""
+    optimizer._warned_capturable_if_run_uncaptured = True  # type: ignore[attr-defined]
+
+
+def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any step pre- or post-hook would run around ``optimizer``'s step, its own or global ones (where
+    torch no longer says, assume so).
+
+    Example::
+
+        >>> opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
+        >>> has_step_hooks(opt), has_step_hooks(opt.register_step_post_hook(lambda *a: None) and opt)
+        (False, True)
+    """
+    hooks = [getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks",
+             None), *(_optional(f"torch.optim.optimizer.{name}", None) for name in ("_global_optimizer_pre_hooks",
+             "_global_optimizer_post_hooks"))]  # fmt: skip
+    return any(h is None or len(h) for h in hooks)

@@ -28,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from lightning_fuse import compat, gpu
 from lightning_fuse.call_shapes import CallShapes
 from lightning_fuse.compiler import plain_eager
+from lightning_fuse.optimizer_graph import OptimizerGraph, cuda_capture
 from lightning_fuse.plan import Plan, Setting
 from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
@@ -113,6 +114,10 @@ class FitState:
     decision_file: DecisionFile | None = None
     """Where the plan search's decision is cached (``None``: no cache, or no search)."""
     no_cache: NoCacheInTraining | None = None
+    optimizer_graphs: list[OptimizerGraph | None] = field(default_factory=list)
+    """Each optimizer's captured update, in the Trainer's order (``None``: it steps as always)."""
+    capture_optimizer: Any = cuda_capture
+    """How an optimizer's update is captured (a test on CPU fakes it)."""
     _recorder: Any = None
 
     # ------------------------------------------------------------------ the fit's start
@@ -157,6 +162,20 @@ class FitState:
     def plan_name(self) -> str:
         return self.plan.name if self.plan is not None else "eager"
 
+    def install_optimizer_graphs(self, optimizers: list[torch.optim.Optimizer], scaler: Any) -> None:
+        """Capture each optimizer's update where it may be (:class:`OptimizerGraph`), and say once why not where
+        it may not."""
+        on_cuda = self.setting.device.type == "cuda" or self.capture_optimizer is not cuda_capture
+        self.optimizer_graphs = []
+        for optimizer in optimizers:
+            refusal = OptimizerGraph.refusal(optimizer, scaler, on_cuda)
+            if refusal is not None and on_cuda:
+                rank_zero_info(f"FuseCallback: {type(optimizer).__name__}'s update runs eagerly: {refusal}.")
+            graph = None if refusal else OptimizerGraph(optimizer, capture=self.capture_optimizer)
+            if graph is not None:
+                graph.install()
+            self.optimizer_graphs.append(graph)
+
     # ------------------------------------------------------------------ epochs and steps
     def begin_epoch(self, batches: float, device: torch.device) -> None:
         """An epoch of ``batches`` training batches (``inf``: unknown) starts: its eager reference steps placed."""
@@ -198,6 +217,8 @@ class FitState:
         self.step_compiles = self.tracker.total_compiles
         # the running guard times the plan's steps, eager's timed reference steps and the eager steps before the plan
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
+        for graph in filter(None, self.optimizer_graphs):
+            graph.enabled = not eager  # an eager reference step's update is the optimizer's own
         if eager:
             self._enter_eager(count_flops=self.needs_flops() and not timed and profile is None)
         elif iteration_start:
@@ -278,6 +299,7 @@ class FitState:
         trees = self.trees_recorded()
         if trees is not None:
             parts.append(self._trees_part(*trees))
+        parts += [graph.describe() for graph in self.optimizer_graphs if graph is not None]
         fallbacks = {**self.fallbacks, **self.plan_fallbacks()}
         parts += [f"region {name}: fell back ({why})" for name, why in fallbacks.items()]
         return "; ".join(parts)
@@ -330,6 +352,8 @@ class FitState:
             self.decision_file.forget()
 
     def uninstall_plan(self) -> None:
+        for graph in filter(None, self.optimizer_graphs):
+            graph.uninstall()
         if self.plan is not None:
             self.fallbacks.update(self.plan_fallbacks())  # kept: the summary names them after the plan is gone
             self.plan.uninstall()

@@ -46,6 +46,7 @@ class FuseOptions:
     dynamic: bool | None = None
     options: Mapping[str, Any] | None = None
     cuda_graph: bool | str = AUTO
+    optimizer_graph: bool = True
     dynamic_dims: str | DimSpec | None = AUTO
     verify: bool = True
     cache_dir: str | os.PathLike | bool | None = None
@@ -69,7 +70,7 @@ class FuseOptions:
             raise TypeError(f"`backend` must be a backend name or a callable, got {type(self.backend).__name__}.")
         if isinstance(self.backend, str):
             _check_backend_name(self.backend)
-        for name in ("fullgraph", "verify"):
+        for name in ("fullgraph", "verify", "optimizer_graph"):
             _bool(name, getattr(self, name))
         if not (self.dynamic is None or isinstance(self.dynamic, bool)):
             raise TypeError(

@@ -1,0 +1,403 @@
+"""The optimizer's update as one CUDA graph replay, kept where the whole training step measures faster with it.
+
+At small batch a step's GPU work is a few milliseconds, and the optimizer's host work is a large share of what is
+left once the forward and backward are one replay: a foreach AdamW launches a dozen operations per chunk of
+tensors, and loops over the parameters in Python. :class:`OptimizerGraph` captures ``optimizer.step()``'s update
+once and replays it at every later step, as NeMo's and Megatron's whole-step graphs do, but inside Lightning's loop
+and as a measured choice:
+
+- **Where it sits.** The torch optimizer's ``step`` is replaced on the instance (the only public point between
+  Lightning's closure and the update: Lightning calls ``optimizer.step(closure=...)`` from its precision plugin).
+  The replacement runs the closure (Lightning's forward, backward and gradient clipping) and then the update:
+  replayed, or the optimizer's own ``step()``. Uninstalling puts the optimizer back as it was.
+- **What the replay reads.** The gradients are copied into the graph's own buffers (one ``_foreach_copy_``); the
+  learning rate of each parameter group is a device tensor the graph reads, refilled when a scheduler changed the
+  group's ``lr`` (which stays a float for everything else that reads it); Adam's step counters live on the device
+  (``capturable=True``, which checkpoints do not keep: :func:`checkpoint_as_eager`).
+- **When it steps eagerly instead.** Eager reference steps (:attr:`enabled` off), a step whose set of parameters
+  with gradients differs from the capture's, after the optimizer's other hyperparameters or its state were replaced
+  (said once), and when the capture failed (said once): every such step is the optimizer's own, so a run never
+  trains differently for it.
+- **Kept by measurement.** After the capture, whole steps alternate in blocks between the replay and the eager
+  update (:class:`Trial`); the graph stays only where the median whole step is below :data:`KEEP_BELOW` of eager's.
+
+Only Adam, AdamW and SGD as torch ships them are taken (an optimizer that evaluates its closure several times, or
+one with step hooks, is left alone), and no ``GradScaler`` (its step skips updates on the host's word).
+
+Example::
+
+    >>> net = torch.nn.Linear(2, 2)
+    >>> optimizer = torch.optim.AdamW(net.parameters())
+    >>> print(OptimizerGraph.refusal(optimizer, scaler=None, on_cuda=False))
+    the parameters are not on a CUDA device
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
+
+from lightning_fuse import compat
+from lightning_fuse.compiler import describe_error
+from lightning_fuse.timing import SKIPPED, StepTimer
+
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""Optimizers whose update is captured: each evaluates its closure once, and takes a device tensor as its learning
+rate inside a capture (Adam and AdamW with ``capturable=True``)."""
+BLOCK_STEPS = 4
+"""The trial's whole steps run in blocks of this many with the replay, then as many with the eager update."""
+TRIAL_BLOCKS = 5
+"""Blocks of each kind the trial runs before deciding (more if eager reference steps left too few timed)."""
+KEEP_BELOW = 0.97
+"""The graph is kept where the trial's median whole step with it is below this share of the eager update's."""
+GRAPH, EAGER = "graph", "eager"
+Capture = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+def cuda_capture(update: Callable[[], None]) -> Callable[[], None]:
+    """Record ``update()`` into a CUDA graph (its kernels do not run) and return the graph's replay."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        update()
+    return graph.replay
+
+
+class OptimizerGraph:
+    """Replays one torch optimizer's update from a CUDA graph while :attr:`enabled`, where it measures faster.
+
+    Args:
+        optimizer: A torch optimizer (see :meth:`refusal` for which).
+        capture: ``update -> replay`` (:func:`cuda_capture`; injectable, so the bookkeeping is testable on a CPU).
+        timer: Times the trial's whole steps (one mark per ``step()`` call).
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 1)
+        >>> optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        >>> graph = OptimizerGraph(optimizer, capture=lambda update: update)  # on CPU: "replay" runs the update
+        >>> graph.install()
+        >>> for _ in range(3):
+        ...     net(torch.ones(1, 2)).sum().backward()
+        ...     optimizer.step(); optimizer.zero_grad()
+        >>> graph.replays  # the first step ran eagerly, the second captured
+        2
+        >>> graph.uninstall()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, capture: Capture = cuda_capture,
+                 timer: StepTimer | None = None) -> None:  # fmt: skip
+        self.optimizer = optimizer
+        self.enabled = True
+        self.replays = 0
+        self.disabled_reason: str | None = None
+        self.trial = Trial()
+        self._capture_fn = capture
+        self._timer = timer or StepTimer(_device_of(optimizer))
+        self._previous_step: Callable[..., Any] | None = None
+        self._capturable = [group.get("capturable") for group in optimizer.param_groups]
+        self._replay: Callable[[], None] | None = None
+        self._warm = False  # one eager update in the capture's configuration ran
+        self._params: list[nn.Parameter] = []
+        self._grads: list[torch.Tensor] = []  # the graph's gradient buffers
+        self._lrs: list[torch.Tensor] = []  # the graph's learning rates, one per group
+        self._lr_seen: list[float] = []
+        self._settings: list[dict[str, Any]] = []
+        self._owner: tuple[Any, Any] = (None, None)
+        self._last_mode: str | None = None
+        self._captured_in_last_step = False  # that step's time holds the capture
+
+    @staticmethod
+    def refusal(optimizer: torch.optim.Optimizer, scaler: Any, on_cuda: bool) -> str | None:
+        """Why ``optimizer``'s update is not captured (``None``: it may be).
+
+        Example::
+
+            >>> OptimizerGraph.refusal(torch.optim.LBFGS(torch.nn.Linear(1, 1).parameters()), None, True)
+            'LBFGS is not one of Adam, AdamW, SGD (each evaluates its closure once)'
+        """
+        if type(optimizer) not in SUPPORTED:
+            names = ", ".join(cls.__name__ for cls in SUPPORTED)
+            return f"{type(optimizer).__name__} is not one of {names} (each evaluates its closure once)"
+        if not on_cuda:
+            return "the parameters are not on a CUDA device"
+        if scaler is not None:
+            return "a GradScaler steps it (fp16 mixed precision), skipping updates on the host's word"
+        if compat.has_step_hooks(optimizer):
+            return "it has step hooks, which a replay would not run"
+        if any(isinstance(group["lr"], torch.Tensor) for group in optimizer.param_groups):
+            return "its learning rate is a tensor already"
+        if isinstance(optimizer, torch.optim.SGD) and not all(group["fused"] for group in optimizer.param_groups):
+            return "SGD reads its learning rate as a number unless fused=True"
+        return None
+
+    @property
+    def captured(self) -> bool:
+        return self._replay is not None
+
+    def install(self) -> None:
+        self._previous_step = compat.replace_optimizer_step(self.optimizer, self._step)
+
+    def uninstall(self) -> None:
+        """The optimizer as before :meth:`install`: its own ``step``, its ``capturable`` settings, no graph."""
+        self.disabled_reason = self.disabled_reason or "taken off with the plan"
+        if self._previous_step is not None:
+            compat.restore_optimizer_step(self.optimizer, self._previous_step)
+            self._previous_step = None
+        self.release()
+
+    def release(self) -> None:
+        """Drop the graph and its buffers; Adam's step counters go back where the optimizer keeps them."""
+        self._replay, self._grads, self._lrs, self._warm = None, [], [], False
+        _set_capturable(self.optimizer, self._capturable)
+
+    def describe(self) -> str:
+        """What became of the graph, for the fit's summary."""
+        if self.disabled_reason is not None:
+            replayed = f" after {self.replays} replays" if self.replays else ""
+            return f"optimizer step: eager ({self.disabled_reason}){replayed}"
+        if not self.captured:
+            return "optimizer step: eager (not captured yet)"
+        return f"optimizer step: captured, {self.replays} replays" + self.trial.describe()
+
+    # ------------------------------------------------------------------ the step
+    def _step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The optimizer's ``step``: the closure (forward, backward, clipping), then the update."""
+        self._time_trial()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        mode = self._update()
+        if mode == GRAPH:
+            compat.mark_optimizer_stepped(self.optimizer)  # as the LR scheduler's wrapper of step would
+        self._last_mode = mode if self.enabled else None
+        return loss
+
+    def _update(self) -> str:
+        """One update, replayed where it may be; returns how it ran."""
+        if not self.enabled or self.disabled_reason is not None or not self.trial.wants_graph():
+            return self._eager_update()
+        if not self._still_captured_state():
+            return self._eager_update()
+        if not self._warm:
+            return EAGER if self._warm_up() else self._eager_update()
+        if not self.captured and not self._capture():
+            return self._eager_update()
+        if [p.grad is not None for p in self._params] != [True] * len(self._params) or self._grads_differ():
+            return self._eager_update()
+        torch._foreach_copy_(self._grads, [p.grad for p in self._params])
+        self._refresh_lrs()
+        self._replay()
+        self.replays += 1
+        return GRAPH
+
+    def _eager_update(self) -> str:
+        self._previous_step()
+        return EAGER
+
+    def _warm_up(self) -> bool:
+        """An eager update in the capture's configuration (device step counters, tensor learning rates): it creates
+        the optimizer's state and loads its kernels, which a capture must find ready. ``False`` where the optimizer
+        refused that configuration (before updating anything), said once."""
+        try:
+            self._configure_for_capture()
+            self._with_graph_inputs(self._previous_step, grads=None)
+        except Exception as err:  # noqa: BLE001 - the optimizer's own update runs instead
+            self._disable(f"it refused to run as a CUDA graph needs ({describe_error(err)})")
+            return False
+        self._warm = True
+        return True
+
+    def _configure_for_capture(self) -> None:
+        _set_capturable(self.optimizer, [True if c is not None else None for c in self._capturable])
+        compat.silence_uncaptured_warning(self.optimizer)  # eager reference steps run uncaptured on purpose
+        self._params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        device = self._params[0].device if self._params else torch.device("cpu")
+        self._lrs = [torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+                     for group in self.optimizer.param_groups]  # fmt: skip
+        self._lr_seen = [float(group["lr"]) for group in self.optimizer.param_groups]
+        self._settings = [_settings(group) for group in self.optimizer.param_groups]
+        self._owner = (self.optimizer.state, self.optimizer.param_groups)
+
+    def _capture(self) -> bool:
+        """Capture the update (it does not run); ``False`` when it failed, said once."""
+        self._grads = [torch.zeros_like(p) for p in self._params]
+        try:
+            update = self._with_graph_inputs_fn()
+            self._replay = self._capture_fn(update)
+            self._captured_in_last_step = True
+        except Exception as err:  # noqa: BLE001 - a failed capture costs the graph, never the run
+            self.release()
+            self._disable(f"the capture failed ({describe_error(err)})")
+            return False
+        return True
+
+    def _with_graph_inputs_fn(self) -> Callable[[], None]:
+        params, grads, step = self._params, self._grads, self._previous_step
+        return lambda: self._with_graph_inputs(step, grads, params)
+
+    def _with_graph_inputs(self, step: Callable[[], Any], grads: Sequence[torch.Tensor] | None,
+                           params: Sequence[nn.Parameter] = ()) -> None:  # fmt: skip
+        """Run ``step()`` reading the graph's learning rates and, where given, its gradient buffers; every group's
+        ``lr`` and every parameter's ``.grad`` are as before afterwards."""
+        groups = self.optimizer.param_groups
+        floats = [group["lr"] for group in groups]
+        held = [p.grad for p in params]
+        try:
+            for group, lr in zip(groups, self._lrs, strict=True):
+                group["lr"] = lr
+            for p, grad in zip(params, grads or (), strict=False):
+                p.grad = grad
+            step()
+        finally:
+            for group, lr in zip(groups, floats, strict=True):
+                group["lr"] = lr
+            for p, grad in zip(params, held, strict=True):
+                p.grad = grad
+
+    def _refresh_lrs(self) -> None:
+        """Give the graph the groups' learning rates where a scheduler changed them (one fill each, no sync)."""
+        for i, group in enumerate(self.optimizer.param_groups):
+            if group["lr"] != self._lr_seen[i]:
+                self._lrs[i].fill_(group["lr"])
+                self._lr_seen[i] = group["lr"]
+
+    def _still_captured_state(self) -> bool:
+        """Whether the optimizer still holds the state and settings the graph was made for; once it does not (its
+        state loaded anew, a hyperparameter other than ``lr`` changed), the graph goes, said once."""
+        if not self._warm:
+            return True
+        groups = self.optimizer.param_groups
+        state, owned_groups = self._owner
+        if state is not self.optimizer.state or owned_groups is not groups or len(groups) != len(self._settings):
+            self._disable("its state or parameter groups were replaced")
+            return False
+        for group, settings in zip(groups, self._settings, strict=True):
+            if _settings(group) != settings:
+                self._disable("a hyperparameter other than the learning rate changed")
+                return False
+        return True
+
+    def _grads_differ(self) -> bool:
+        """Whether a gradient's shape, dtype or device is not its buffer's (a sparse or odd gradient)."""
+        return any(g.shape != b.shape or g.dtype != b.dtype or g.device != b.device or g.is_sparse
+                   for g, b in zip((p.grad for p in self._params), self._grads, strict=True))  # fmt: skip
+
+    def _disable(self, reason: str) -> None:
+        if self.disabled_reason is None:
+            self.disabled_reason = reason
+            self.release()
+            rank_zero_info(f"FuseCallback: the optimizer's update runs eagerly from now on: {reason}.")
+
+    # ------------------------------------------------------------------ the trial
+    def _time_trial(self) -> None:
+        """Mark this step's start, which ends the step before: timed as the update that began it, when that step
+        and this one both ran under the plan, while the trial runs."""
+        if self.trial.decided:
+            return
+        if self._last_mode is not None and self.enabled and self.replays and not self._captured_in_last_step:
+            self._timer.stop(self._last_mode)
+        self._captured_in_last_step = False
+        self._timer.start()
+        self.trial.advance(self._last_mode == GRAPH)
+        if self.trial.due():
+            times = self._timer.collect()
+            self.trial.decide(times.get(GRAPH, []), times.get(EAGER, []))
+            if not self.trial.keep:
+                self.release()
+                self._disable(f"the trial measured it at {self.trial.ratio:.2f}x of the eager update's whole step")
+
+
+class Trial:
+    """Alternates whole steps with the replayed and the eager update in blocks, then decides on their medians.
+
+    Example::
+
+        >>> trial = Trial()
+        >>> trial.decide([4.0, 4.1, 3.9] * 4, [5.0, 5.2, 4.9] * 4)
+        >>> trial.keep, round(trial.ratio, 2)
+        (True, 0.8)
+    """
+
+    def __init__(self) -> None:
+        self.decided = False
+        self.keep = False
+        self.ratio: float | None = None
+        self._steps = 0  # whole steps since the capture
+        self._graph_ms: list[float] = []
+        self._eager_ms: list[float] = []
+
+    def wants_graph(self) -> bool:
+        """Whether the next update replays: always once kept, in alternating blocks during the trial."""
+        return self.keep if self.decided else (self._steps // BLOCK_STEPS) % 2 == 0
+
+    def advance(self, replayed: bool) -> None:
+        if replayed or self._steps:
+            self._steps += 1
+
+    def due(self) -> bool:
+        return self._steps >= 2 * TRIAL_BLOCKS * BLOCK_STEPS and self._steps % (2 * BLOCK_STEPS) == 0
+
+    def decide(self, graph_ms: list[float], eager_ms: list[float]) -> None:
+        """Keep the graph where its median whole step is below :data:`KEEP_BELOW` of eager's; with fewer than
+        half a trial's steps timed of either (eager reference steps between), run another round first."""
+        self._graph_ms += graph_ms
+        self._eager_ms += eager_ms
+        enough = TRIAL_BLOCKS * BLOCK_STEPS // 2
+        if min(len(self._graph_ms), len(self._eager_ms)) < enough:
+            return
+        self.ratio = statistics.median(self._graph_ms) / statistics.median(self._eager_ms)
+        self.keep = self.ratio < KEEP_BELOW
+        self.decided = True
+
+    def describe(self) -> str:
+        return f", kept at {self.ratio:.2f}x of the eager update's whole step" if self.decided else ", in its trial"
+
+
+def checkpoint_as_eager(optimizer_states: list[dict[str, Any]], graphs: Sequence[OptimizerGraph | None]) -> None:
+    """A checkpoint's optimizer states as the optimizers would save them without their graphs: each group's
+    ``capturable`` setting as the user made it (a resumed run without FuseCallback steps as it would have).
+
+    Example::
+
+        >>> opt = torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())
+        >>> graph = OptimizerGraph(opt); opt.param_groups[0]["capturable"] = True
+        >>> states = [opt.state_dict()]
+        >>> checkpoint_as_eager(states, [graph]); states[0]["param_groups"][0]["capturable"]
+        False
+    """
+    for state, graph in zip(optimizer_states, graphs, strict=False):
+        if graph is None:
+            continue
+        for group, capturable in zip(state.get("param_groups", []), graph._capturable, strict=False):
+            if capturable is not None:
+                group["capturable"] = capturable
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's hyperparameters but its parameters and learning rate."""
+    return {key: value for key, value in group.items() if key not in ("params", "lr")}
+
+
+def _set_capturable(optimizer: torch.optim.Optimizer, flags: Sequence[bool | None]) -> None:
+    """Set each group's ``capturable`` (``None``: the optimizer has no such setting) and move Adam's step counters
+    where that setting wants them: on the parameter's device, or on the CPU where neither capturable nor fused."""
+    for group, flag in zip(optimizer.param_groups, flags, strict=True):
+        if flag is None or group.get("capturable") == flag:
+            continue
+        group["capturable"] = flag
+        on_device = flag or group.get("fused")
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor):
+                optimizer.state[p]["step"] = step.to(p.device if on_device else "cpu")
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return params[0].device if params else torch.device("cpu")

@@ -1,0 +1,248 @@
+"""The optimizer's captured update (lightning_fuse/optimizer_graph.py), on CPU with the capture faked.
+
+The fake capture returns the update itself, so each "replay" runs it again as the graph would: reading the graph's
+learning-rate tensors and gradient buffers (swapped in around it), not the groups' floats or the ``.grad`` of the
+moment. A learning rate not refilled, or a gradient not copied in, trains wrong here as it would on the GPU.
+Fused AdamW and fused SGD run on CPU; foreach Adam with ``capturable=True`` needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch import Callback
+from toy import ToyTask, trainer
+
+from lightning_fuse import FuseCallback
+from lightning_fuse.optimizer_graph import BLOCK_STEPS, EAGER, GRAPH, TRIAL_BLOCKS, OptimizerGraph, Trial
+
+
+def fake_capture(update):
+    return update
+
+
+OPTIMIZERS = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.1, fused=True),
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, fused=True),
+}
+
+
+class ScheduledTask(ToyTask):
+    """ToyTask with a fused optimizer and a warmup-then-decay ``LambdaLR`` stepping every step."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.optimizer = optimizer
+
+    def configure_optimizers(self):
+        optimizer = OPTIMIZERS[self.optimizer](self.parameters())
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 3) * 0.9**i)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class InstallGraph(Callback):
+    """Installs a faked OptimizerGraph on the fit's optimizer when training starts."""
+
+    def __init__(self) -> None:
+        self.graph: OptimizerGraph | None = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.graph = OptimizerGraph(trainer.optimizers[0], capture=fake_capture)
+        self.graph.install()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.graph.uninstall()
+
+
+def fit(task: pl.LightningModule, callbacks=(), **kwargs) -> pl.LightningModule:
+    trainer(callbacks, max_epochs=3, limit_val_batches=0, **kwargs).fit(task)
+    return task
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_the_replayed_update_trains_as_the_optimizers_own(optimizer, accumulate):
+    """A scheduler stepping every step, gradient clipping and accumulation: the same parameters as without."""
+    torch.manual_seed(0)
+    task = ScheduledTask(optimizer)
+    twin = copy.deepcopy(task)
+    install = InstallGraph()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*|.*optimizer.step.*overridden.*")
+        fit(task, [install], gradient_clip_val=0.1, accumulate_grad_batches=accumulate)
+    fit(twin, gradient_clip_val=0.1, accumulate_grad_batches=accumulate)
+    assert install.graph.replays >= 4
+    for got, want in zip(task.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def linear_with_graph(lr: float = 1.0) -> tuple[torch.nn.Linear, torch.optim.Optimizer, OptimizerGraph]:
+    net = torch.nn.Linear(2, 1, bias=False)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, fused=True)
+    graph = OptimizerGraph(optimizer, capture=fake_capture)
+    graph.install()
+    return net, optimizer, graph
+
+
+def step(net: torch.nn.Linear, optimizer: torch.optim.Optimizer, x: float = 1.0) -> torch.Tensor:
+    before = net.weight.detach().clone()
+    optimizer.zero_grad()
+    net(torch.full((1, 2), x)).sum().backward()
+    optimizer.step()
+    return net.weight.detach() - before
+
+
+def test_a_learning_rate_set_after_the_capture_reaches_the_replay():
+    net, optimizer, graph = linear_with_graph()
+    for _ in range(2):  # the first runs eagerly, the second captures
+        step(net, optimizer)
+    optimizer.param_groups[0]["lr"] = 0.0
+    assert torch.equal(step(net, optimizer), torch.zeros(1, 2))
+    optimizer.param_groups[0]["lr"] = 0.5
+    torch.testing.assert_close(step(net, optimizer, x=2.0), torch.full((1, 2), -1.0))  # this step's grad, this lr
+    assert graph.replays == 3 and isinstance(optimizer.param_groups[0]["lr"], float)
+
+
+def test_a_step_with_another_set_of_gradients_runs_the_optimizers_own_update():
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+    graph = OptimizerGraph(optimizer, capture=fake_capture)
+    graph.install()
+    for frozen in (False, False, True):
+        net[0].requires_grad_(not frozen)
+        optimizer.zero_grad()
+        net(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+    assert graph.replays == 1 and graph.disabled_reason is None  # the frozen step ran eagerly, the graph stays
+
+
+def test_a_changed_hyperparameter_ends_the_graph_and_says_so(caplog):
+    net, optimizer, graph = linear_with_graph()
+    twin = copy.deepcopy(net)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=1.0, fused=True)
+    for i in range(4):
+        if i == 2:
+            for opt in (optimizer, twin_optimizer):
+                opt.param_groups[0]["weight_decay"] = 0.5
+        step(net, optimizer)
+        step(twin, twin_optimizer)
+    assert graph.replays == 1 and "a hyperparameter other than the learning rate changed" in graph.describe()
+    torch.testing.assert_close(net.weight, twin.weight)
+
+
+def test_an_eager_reference_step_runs_the_optimizers_own_update():
+    net, optimizer, graph = linear_with_graph()
+    for enabled in (True, True, False, True):
+        graph.enabled = enabled
+        step(net, optimizer)
+    assert graph.replays == 2
+
+
+def test_uninstalling_leaves_the_optimizer_as_it_was():
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(net.parameters(), fused=True)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    scheduler_step = optimizer.step
+    graph = OptimizerGraph(optimizer, capture=fake_capture)
+    graph.install()
+    for _ in range(3):
+        step(net, optimizer)
+        schedule.step()
+    assert optimizer.param_groups[0]["capturable"] is True
+    graph.uninstall()
+    assert optimizer.step is scheduler_step and optimizer.param_groups[0]["capturable"] is False
+    assert "taken off with the plan" in graph.describe()
+    bare = torch.optim.SGD(net.parameters(), lr=0.1)
+    graph = OptimizerGraph(bare)
+    graph.install()
+    graph.uninstall()
+    assert "step" not in vars(bare)  # without a scheduler, the class's step again
+
+
+@pytest.mark.parametrize(
+    ("make", "scaler", "why"),
+    [
+        (lambda p: torch.optim.LBFGS(p), None, "LBFGS is not one of"),
+        (lambda p: torch.optim.SGD(p, lr=0.1), None, "unless fused=True"),
+        (lambda p: torch.optim.AdamW(p), torch.amp.GradScaler("cpu"), "GradScaler"),
+        (lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.1)), None, "a tensor already"),
+    ],
+)
+def test_what_is_not_captured_says_why(make, scaler, why):
+    optimizer = make(torch.nn.Linear(2, 1).parameters())
+    assert why in OptimizerGraph.refusal(optimizer, scaler, on_cuda=True)
+
+
+def test_an_optimizer_with_step_hooks_is_not_captured():
+    optimizer = torch.optim.AdamW(torch.nn.Linear(2, 1).parameters())
+    optimizer.register_step_pre_hook(lambda *args: None)
+    assert "step hooks" in OptimizerGraph.refusal(optimizer, None, on_cuda=True)
+
+
+class FakeTimer:
+    """Whole steps of ``graph_ms`` after a replayed update and ``eager_ms`` after an eager one."""
+
+    def __init__(self, graph_ms: float, eager_ms: float) -> None:
+        self.times = {GRAPH: graph_ms, EAGER: eager_ms}
+        self.kinds: list[str] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, kind: str) -> None:
+        self.kinds.append(kind)
+
+    def collect(self) -> dict[str, list[float]]:
+        out = {kind: [self.times[kind]] * self.kinds.count(kind) for kind in self.times}
+        self.kinds = []
+        return out
+
+
+@pytest.mark.parametrize(("graph_ms", "kept"), [(4.0, True), (5.0, False)])
+def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_ms, kept):
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=FakeTimer(graph_ms, eager_ms=5.0))
+    graph.install()
+    for _ in range(1 + 2 * TRIAL_BLOCKS * BLOCK_STEPS + 10):  # the eager warm-up, the trial, 10 steps after it
+        step(net, optimizer)
+    assert graph.trial.decided and graph.trial.keep is kept
+    replays_in_trial = TRIAL_BLOCKS * BLOCK_STEPS
+    assert graph.replays == (replays_in_trial + 10 if kept else replays_in_trial)
+    assert ("kept at 0.80x" in graph.describe()) if kept else ("measured it at 1.00x" in graph.describe())
+
+
+def test_the_trial_waits_for_enough_timed_steps():
+    trial = Trial()
+    trial.decide([4.0] * 3, [5.0] * 30)
+    assert not trial.decided and trial.wants_graph()
+    trial.decide([4.0] * 10, [])
+    assert trial.decided and trial.keep
+
+
+class FakeOptimizerCapture(Callback):
+    """Lets FuseCallback capture optimizer updates on CPU (faked), as it does on CUDA."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        fuse = next(cb for cb in trainer.callbacks if isinstance(cb, FuseCallback))
+        fuse.fit.capture_optimizer = fake_capture
+
+
+def test_fuse_callback_replays_the_update_under_its_plan_and_reports_it():
+    torch.manual_seed(0)
+    task = ScheduledTask("adamw")
+    twin = copy.deepcopy(task)
+    fuse = FuseCallback(mode="default", backend="aot_eager", cuda_graph=False, cache_dir=False, eager_steps=2,
+                        gpu_sample_hz=0)  # fmt: skip
+    fit(task, [fuse, FakeOptimizerCapture()], gradient_clip_val=0.1)
+    fit(twin, gradient_clip_val=0.1)
+    (graph,) = fuse.fit.optimizer_graphs
+    assert "optimizer step: eager (taken off with the plan) after" in fuse.fit.what_ran()
+    assert graph.replays >= 4
+    assert task.trainer.optimizers[0].param_groups[0]["capturable"] is False  # put back
+    for got, want in zip(task.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
