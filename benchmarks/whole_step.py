@@ -29,6 +29,8 @@ import lightning.pytorch as pl
 import models
 import torch
 
+from lightning_fuse import FuseCallback
+
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
 VARIANTS = ("reduce_overhead", "fuse")
@@ -83,12 +85,14 @@ def measure(spec: dict) -> dict:
     callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
     window = KernelWindow(steps, PROFILED)
     result = harness.fit(task, loader, callbacks=[window, *callbacks], started=started, **trainer_kw)
+    fuse = next((callback for callback in callbacks if isinstance(callback, FuseCallback)), None)
     timed = result["epoch_ms"].get(0, [])[: steps - warmup]  # the profiled steps are not timed
     step_ms = statistics.median(timed) if timed else None
     busy = window.floor_ms / step_ms if window.floor_ms and step_ms else None
     return {**result, "step_ms": step_ms, "floor_ms": window.floor_ms, "busy_frac": busy,
             "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"],
-            "param_gap": parameter_gap(start, eager_end, cpu_copy(task.model.parameters()))}  # fmt: skip
+            "param_gap": parameter_gap(start, eager_end, cpu_copy(task.model.parameters())),
+            "ran": fuse.fit.what_ran() if fuse is not None else None}  # fmt: skip
 
 
 def cpu_copy(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -203,7 +203,9 @@ class FuseCallback(Callback):
         # Lightning steps the optimizer after every accumulate_grad_batches-th batch (and an epoch's last): an
         # iteration starts at the batch after
         iteration_start = batch_idx % trainer.accumulate_grad_batches == 0
-        fit.begin_step(batch, batch_idx, self.options.length_fn, iteration_start)
+        # and zeroes the gradients then, between the training step's forward and its backward
+        zeroed_after_forward = iteration_start and pl_module.automatic_optimization
+        fit.begin_step(batch, batch_idx, self.options.length_fn, iteration_start, zeroed_after_forward)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,

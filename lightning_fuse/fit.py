@@ -197,11 +197,12 @@ class FitState:
         return self.plan.graph if self.plan is not None else None
 
     def begin_step(self, batch: Any, batch_idx: int, length_fn: Callable[[Any], Any] | None,
-                   iteration_start: bool = True) -> None:  # fmt: skip
+                   iteration_start: bool = True, zeroed_after_forward: bool = False) -> None:  # fmt: skip
         """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped) and enter it: an eager
         step runs everything eagerly (and counts FLOPs where it is untimed and unprofiled, on a GPU), a plan step
         begins the plan's iteration (``iteration_start``: not a later micro-batch of an accumulation) and arms the
-        backward guard."""
+        backward guard. ``zeroed_after_forward``: the gradients are zeroed between this step's forward and backward
+        (Lightning's automatic optimization at an iteration's start), which the plan's graph is told."""
         size = batch_size(batch)
         self.nominal_batch = max(self.nominal_batch, size)
         eager = self.plan is None or self.schedule.is_eager(self.steps)
@@ -217,6 +218,8 @@ class FitState:
         self.step_compiles = self.tracker.total_compiles
         # the running guard times the plan's steps, eager's timed reference steps and the eager steps before the plan
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
+        if self.graph is not None:
+            self.graph.grads_zeroed_after_forward = zeroed_after_forward
         for graph in filter(None, self.optimizer_graphs):
             graph.enabled = not eager  # an eager reference step's update is the optimizer's own
         if eager:

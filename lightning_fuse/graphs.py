@@ -196,6 +196,10 @@ class GraphedModule:
         self.capture_allowed = False
         self.captured_during_last_call = False
         self.replays = 0
+        self.grads_zeroed_after_forward = False
+        """Set per step: the gradients are zeroed between this step's forward and backward (Lightning's automatic
+        optimization at an optimizer step's first micro-batch), so held gradients are copied at the backward, where
+        zeroing set them to ``None`` (nothing to copy), not at the forward (every gradient copied for nothing)."""
         self.disabled_reason: str | None = None
         self._capture_fn = capture or torch.cuda.make_graphed_callables
         self._on_device = on_device
@@ -258,9 +262,13 @@ class GraphedModule:
             self._say_if_trainable_changed(signature)
             return self.run_inner(*args, **kwargs)
         flat, graphed = self._graphs[signature]
-        own_kept_gradients(flat.trained)
+        if not self.grads_zeroed_after_forward:
+            own_kept_gradients(flat.trained)
         try:
-            out = flat.rebuild(graphed(*flat.pick(leaves)))
+            outputs = graphed(*flat.pick(leaves))
+            if self.grads_zeroed_after_forward:
+                own_kept_gradients_before_backward(outputs, flat.trained)
+            out = flat.rebuild(outputs)
         except Exception as err:  # noqa: BLE001 - a replay that fails costs the graph, never the run
             self.disable(f"its replay failed ({describe_error(err)})")
             return self.run_inner(*args, **kwargs)
@@ -403,6 +411,35 @@ def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) ->
     except RuntimeError as err:
         return describe_error(err)
     return None
+
+
+def own_kept_gradients_before_backward(outputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
+    """Once the replay's backward is about to run (the first of ``outputs`` to receive its gradient), give every
+    gradient of ``params`` still held then memory of its own (:func:`own_kept_gradients`).
+
+    Only for gradients zeroed after the forward: the forward may have overwritten a gradient buffer, and zeroing
+    (to ``None``, or in place) makes that harmless, while an accumulated gradient would be lost.
+
+    Example::
+
+        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2); held = p.grad
+        >>> out = p * 2
+        >>> own_kept_gradients_before_backward([out], [p])
+        >>> p.grad is held  # nothing copied before the backward
+        True
+        >>> out.sum().backward(); held.tolist(), p.grad.tolist()
+        ([1.0, 1.0], [3.0, 3.0])
+    """
+    pending = [True]
+
+    def before_backward(grad: torch.Tensor) -> None:
+        if pending:
+            pending.clear()
+            own_kept_gradients(params)
+
+    for output in outputs:
+        if output.requires_grad:
+            output.register_hook(before_backward)
 
 
 def own_kept_gradients(params: Sequence[nn.Parameter]) -> None:

@@ -144,7 +144,6 @@ class OptimizerGraph:
 
     def uninstall(self) -> None:
         """The optimizer as before :meth:`install`: its own ``step``, its ``capturable`` settings, no graph."""
-        self.disabled_reason = self.disabled_reason or "taken off with the plan"
         if self._previous_step is not None:
             compat.restore_optimizer_step(self.optimizer, self._previous_step)
             self._previous_step = None
@@ -157,12 +156,10 @@ class OptimizerGraph:
 
     def describe(self) -> str:
         """What became of the graph, for the fit's summary."""
-        if self.disabled_reason is not None:
-            replayed = f" after {self.replays} replays" if self.replays else ""
-            return f"optimizer step: eager ({self.disabled_reason}){replayed}"
-        if not self.captured:
-            return "optimizer step: eager (not captured yet)"
-        return f"optimizer step: captured, {self.replays} replays" + self.trial.describe()
+        if not self.replays:
+            return f"optimizer step: eager ({self.disabled_reason or 'not captured'})"
+        since = f"; eager since: {self.disabled_reason}" if self.disabled_reason and self.trial.keep else ""
+        return f"optimizer step: {self.replays} replays{self.trial.describe()}{since}"
 
     # ------------------------------------------------------------------ the step
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -308,8 +305,10 @@ class OptimizerGraph:
         if self.trial.due():
             times = self._timer.collect()
             self.trial.decide(times.get(GRAPH, []), times.get(EAGER, []))
-            if not self.trial.keep:
-                self.release()
+            if self.trial.keep:
+                rank_zero_info(f"FuseCallback: the optimizer's update replays from a CUDA graph: whole steps "
+                               f"measured {self.trial.ratio:.2f}x of the eager update's.")  # fmt: skip
+            else:
                 self._disable(f"the trial measured it at {self.trial.ratio:.2f}x of the eager update's whole step")
 
 
@@ -356,7 +355,10 @@ class Trial:
         self.decided = True
 
     def describe(self) -> str:
-        return f", kept at {self.ratio:.2f}x of the eager update's whole step" if self.decided else ", in its trial"
+        if not self.decided:
+            return ", in its trial"
+        verdict = "kept" if self.keep else "dropped"
+        return f", {verdict} at {self.ratio:.2f}x of the eager update's whole step"
 
 
 def checkpoint_as_eager(optimizer_states: list[dict[str, Any]], graphs: Sequence[OptimizerGraph | None]) -> None:

@@ -230,6 +230,32 @@ def test_gradients_kept_across_replays_are_never_overwritten_by_the_next_one(zer
     graphed.uninstall()
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_zeroed_after_the_forward_are_copied_at_the_backward_only_where_still_held(set_to_none):
+    """Lightning's automatic optimization zeroes between the forward and the backward: nothing is copied at the
+    forward, and a gradient zeroed in place (the forward may have scribbled on it) still trains right."""
+    torch.manual_seed(0)
+    net = KwargsNet("dict")
+    twin = copy.deepcopy(net)
+    graphed = GraphedModule("net", net, capture=grad_buffer_capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    for ids in [torch.randint(0, 10, (2, 5)) for _ in range(3)]:
+        graphed.grads_zeroed_after_forward = graphed.captured
+        held = [p.grad for p in net.parameters()]
+        out = net(input_ids=ids)
+        if graphed.replays:
+            assert all(p.grad is grad for p, grad in zip(net.parameters(), held)), "nothing copied at the forward"
+        for model in (net, twin):
+            model.zero_grad(set_to_none=set_to_none)
+        out["loss"].backward()
+        type(twin).forward(twin, ids)["loss"].backward()
+        for got, want in zip(net.parameters(), twin.parameters()):
+            torch.testing.assert_close(got.grad, want.grad)
+    assert graphed.replays == 3
+    graphed.uninstall()
+
+
 def train_in_twins(net: nn.Module, trainable_sets: list[tuple[str, ...]]) -> GraphedModule:
     """For each set of trainable children (the others frozen) a forward+backward on ``net`` graphed and on a twin
     without any graph: their gradients agree after every step."""
