@@ -31,7 +31,6 @@ from lightning_fuse.choice import activate_plan
 from lightning_fuse.compiler import RECOMPILE_LIMIT
 from lightning_fuse.fit import FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
-from lightning_fuse.optimizer_graph import checkpoint_as_eager
 from lightning_fuse.options import AUTO, FuseOptions
 from lightning_fuse.start import plan_line, start_cache, start_fit
 from lightning_fuse.timing import REFERENCE_BUDGET
@@ -195,8 +194,6 @@ class FuseCallback(Callback):
         fit.mark_dynamic(self.options.dims, batch, "train", lambda: trainer.train_dataloader)
         if fit.steps == fit.activation_step:
             activate_plan(fit, trainer, pl_module)
-            if self.options.optimizer_graph and fit.runs_compiled():
-                fit.install_optimizer_graphs(trainer.optimizers, getattr(trainer.precision_plugin, "scaler", None))
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
             fit.timer.interrupt()  # the search is not training time: the reference's budget is a share of that
             fit.timer.start()
@@ -293,7 +290,9 @@ class FuseCallback(Callback):
     @override
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            checkpoint: dict[str, Any]) -> None:  # fmt: skip
-        checkpoint_as_eager(checkpoint.get("optimizer_states", []), self.fit.optimizer_graphs)
+        for state, graph in zip(checkpoint.get("optimizer_states", []), self.fit.optimizer_graphs, strict=False):
+            if graph is not None:
+                graph.as_saved_without(state)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from lightning_fuse import compat
 from lightning_fuse.buckets import suggest_buckets
 from lightning_fuse.compiler import changes_in_training
 from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
+from lightning_fuse.optimizer_graph import install_optimizer_graphs
 from lightning_fuse.plan import for_varying_shapes
 from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
 from lightning_fuse.shapes import mark_dims, mark_region_inputs
@@ -42,7 +43,8 @@ if TYPE_CHECKING:
 
 
 def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-    """Choose the plan (by measurement on the recorded inputs, from the cache, or forced) and install it."""
+    """Choose the plan (by measurement on the recorded inputs, from the cache, or forced) and install it, with
+    the optimizers' captured updates where the plan runs compiled."""
     fit.stop_recording()
     _hold_over_varying_shapes(fit)
     fit.no_cache.enabled = True  # the candidates, eager's trial too, run as the plan will
@@ -70,6 +72,10 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
             loser.release()
     plan.install()
     fit.plan = plan
+    if fit.options.optimizer_graph and fit.runs_compiled():
+        scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision's GradScaler (fp16)
+        fit.optimizer_graphs = install_optimizer_graphs(trainer.optimizers, scaler, fit.setting.device,
+                                                        fit.capture_optimizer)  # fmt: skip
     if plan.name == "eager" and fit.decision is not None:
         fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
         fit.schedule.plan_epoch(fit.steps, 1, 0)  # and the chunks already placed in this epoch go

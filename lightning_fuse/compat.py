@@ -105,6 +105,8 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "letting activation checkpointing's early stop "
                    "pass through compiled regions", required=False),
         PrivateAPI("torch.cuda._get_nvml_device_index", "NVML's index of a CUDA device", required=False),
+        PrivateAPI("torch._foreach_copy_", "copying the gradients into a captured update's buffers in one launch",
+                   required=False),
         *(
             PrivateAPI(f"torch.optim.optimizer.{name}", "telling a captured optimizer update from one with step hooks",
                        required=False)
@@ -769,3 +771,20 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
              None), *(_optional(f"torch.optim.optimizer.{name}", None) for name in ("_global_optimizer_pre_hooks",
              "_global_optimizer_post_hooks"))]  # fmt: skip
     return any(h is None or len(h) for h in hooks)
+
+
+def copy_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy each source into its destination: one launch per chunk of tensors (``torch._foreach_copy_``), or
+    one per tensor where torch lacks it.
+
+    Example::
+
+        >>> dst = [torch.zeros(2)]; copy_tensors(dst, [torch.ones(2)]); dst[0].tolist()
+        [1.0, 1.0]
+    """
+    foreach = _optional("torch._foreach_copy_", None)
+    if foreach is not None:
+        foreach(destinations, sources)
+        return
+    for destination, source in zip(destinations, sources, strict=True):
+        destination.copy_(source)

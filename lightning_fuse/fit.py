@@ -28,7 +28,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from lightning_fuse import compat, gpu
 from lightning_fuse.call_shapes import CallShapes
 from lightning_fuse.compiler import plain_eager
-from lightning_fuse.optimizer_graph import OptimizerGraph, cuda_capture
 from lightning_fuse.plan import Plan, Setting
 from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
@@ -45,6 +44,7 @@ if TYPE_CHECKING:
     from lightning_fuse.graphs import GraphedModule
     from lightning_fuse.guard import BackwardGuard
     from lightning_fuse.kv_cache import NoCacheInTraining
+    from lightning_fuse.optimizer_graph import OptimizerGraph
     from lightning_fuse.options import FuseOptions
     from lightning_fuse.profiling import ProfileWindow
 
@@ -116,8 +116,8 @@ class FitState:
     no_cache: NoCacheInTraining | None = None
     optimizer_graphs: list[OptimizerGraph | None] = field(default_factory=list)
     """Each optimizer's captured update, in the Trainer's order (``None``: it steps as always)."""
-    capture_optimizer: Any = cuda_capture
-    """How an optimizer's update is captured (a test on CPU fakes it)."""
+    capture_optimizer: Any = None
+    """How an optimizer's update is captured (``None``: in a CUDA graph; a test on CPU fakes it)."""
     _recorder: Any = None
 
     # ------------------------------------------------------------------ the fit's start
@@ -161,20 +161,6 @@ class FitState:
 
     def plan_name(self) -> str:
         return self.plan.name if self.plan is not None else "eager"
-
-    def install_optimizer_graphs(self, optimizers: list[torch.optim.Optimizer], scaler: Any) -> None:
-        """Capture each optimizer's update where it may be (:class:`OptimizerGraph`), and say once why not where
-        it may not."""
-        on_cuda = self.setting.device.type == "cuda" or self.capture_optimizer is not cuda_capture
-        self.optimizer_graphs = []
-        for optimizer in optimizers:
-            refusal = OptimizerGraph.refusal(optimizer, scaler, on_cuda)
-            if refusal is not None and on_cuda:
-                rank_zero_info(f"FuseCallback: {type(optimizer).__name__}'s update runs eagerly: {refusal}.")
-            graph = None if refusal else OptimizerGraph(optimizer, capture=self.capture_optimizer)
-            if graph is not None:
-                graph.install()
-            self.optimizer_graphs.append(graph)
 
     # ------------------------------------------------------------------ epochs and steps
     def begin_epoch(self, batches: float, device: torch.device) -> None:

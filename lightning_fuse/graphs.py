@@ -40,6 +40,7 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import PLAIN, describe_error, forced_eager
+from lightning_fuse.held_gradients import own_kept_gradients, own_kept_gradients_before_backward
 from lightning_fuse.regions import has_params, is_metric
 from lightning_fuse.state import Snapshot
 
@@ -411,58 +412,6 @@ def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) ->
     except RuntimeError as err:
         return describe_error(err)
     return None
-
-
-def own_kept_gradients_before_backward(outputs: Sequence[torch.Tensor], params: Sequence[nn.Parameter]) -> None:
-    """Once the replay's backward is about to run (the first of ``outputs`` to receive its gradient), give every
-    gradient of ``params`` still held then memory of its own (:func:`own_kept_gradients`).
-
-    Only for gradients zeroed after the forward: the forward may have overwritten a gradient buffer, and zeroing
-    (to ``None``, or in place) makes that harmless, while an accumulated gradient would be lost.
-
-    Example::
-
-        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2); held = p.grad
-        >>> out = p * 2
-        >>> own_kept_gradients_before_backward([out], [p])
-        >>> p.grad is held  # nothing copied before the backward
-        True
-        >>> out.sum().backward(); held.tolist(), p.grad.tolist()
-        ([1.0, 1.0], [3.0, 3.0])
-    """
-    pending = [True]
-
-    def before_backward(grad: torch.Tensor) -> None:
-        if pending:
-            pending.clear()
-            own_kept_gradients(params)
-
-    for output in outputs:
-        if output.requires_grad:
-            output.register_hook(before_backward)
-
-
-def own_kept_gradients(params: Sequence[nn.Parameter]) -> None:
-    """Give every gradient still held before a replay memory of its own.
-
-    A replay's backward writes the parameters' gradients into the graph's own buffers, and autograd keeps such a
-    buffer as the ``.grad`` of a parameter that had none. A gradient that outlives its step (accumulated over
-    micro-batches, or zeroed in place rather than set to ``None``) would be overwritten by the next replay before
-    the new gradient is added to it: by its backward, and already by its forward, since the forward and the
-    backward graphs share one memory pool and a gradient buffer may sit where the forward keeps its temporaries
-    (on an H100, a bias's gradient did). So the copy is made before the forward, although Lightning zeroes the
-    gradients (to ``None``: nothing left to copy) only between the forward and the backward.
-
-    Example::
-
-        >>> p = torch.nn.Parameter(torch.ones(2)); p.grad = torch.ones(2); held = p.grad
-        >>> own_kept_gradients([p])
-        >>> p.grad.data_ptr() != held.data_ptr(), p.grad.tolist()
-        (True, [1.0, 1.0])
-    """
-    for p in params:
-        if p.grad is not None:
-            p.grad = p.grad.clone()
 
 
 def static_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

@@ -13,7 +13,7 @@ and as a measured choice:
 - **What the replay reads.** The gradients are copied into the graph's own buffers (one ``_foreach_copy_``); the
   learning rate of each parameter group is a device tensor the graph reads, refilled when a scheduler changed the
   group's ``lr`` (which stays a float for everything else that reads it); Adam's step counters live on the device
-  (``capturable=True``, which checkpoints do not keep: :func:`checkpoint_as_eager`).
+  (``capturable=True``, which checkpoints do not keep: :meth:`OptimizerGraph.as_saved_without`).
 - **When it steps eagerly instead.** Eager reference steps (:attr:`enabled` off), a step whose set of parameters
   with gradients differs from the capture's, after the optimizer's other hyperparameters or its state were replaced
   (said once), and when the capture failed (said once): every such step is the optimizer's own, so a run never
@@ -154,6 +154,21 @@ class OptimizerGraph:
         self._replay, self._grads, self._lrs, self._warm = None, [], [], False
         _set_capturable(self.optimizer, self._capturable)
 
+    def as_saved_without(self, state: dict[str, Any]) -> None:
+        """This optimizer's ``state_dict()`` as it would be without the graph: each group's ``capturable`` setting
+        as the user made it, so that a run resumed from the checkpoint steps as it would have.
+
+        Example::
+
+            >>> opt = torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())
+            >>> graph = OptimizerGraph(opt); opt.param_groups[0]["capturable"] = True
+            >>> state = opt.state_dict(); graph.as_saved_without(state); state["param_groups"][0]["capturable"]
+            False
+        """
+        for group, capturable in zip(state.get("param_groups", []), self._capturable, strict=False):
+            if capturable is not None:
+                group["capturable"] = capturable
+
     def describe(self) -> str:
         """What became of the graph, for the fit's summary."""
         if not self.replays:
@@ -187,7 +202,7 @@ class OptimizerGraph:
             return self._eager_update()
         if [p.grad is not None for p in self._params] != [True] * len(self._params) or self._grads_differ():
             return self._eager_update()
-        torch._foreach_copy_(self._grads, [p.grad for p in self._params])
+        compat.copy_tensors(self._grads, [p.grad for p in self._params])
         self._refresh_lrs()
         self._replay()
         self.replays += 1
@@ -361,24 +376,28 @@ class Trial:
         return f", {verdict} at {self.ratio:.2f}x of the eager update's whole step"
 
 
-def checkpoint_as_eager(optimizer_states: list[dict[str, Any]], graphs: Sequence[OptimizerGraph | None]) -> None:
-    """A checkpoint's optimizer states as the optimizers would save them without their graphs: each group's
-    ``capturable`` setting as the user made it (a resumed run without FuseCallback steps as it would have).
+def install_optimizer_graphs(optimizers: Sequence[torch.optim.Optimizer], scaler: Any, device: torch.device,
+                             capture: Capture | None = None) -> list[OptimizerGraph | None]:  # fmt: skip
+    """An installed :class:`OptimizerGraph` for each optimizer that may have one (``None`` for the others, with
+    one line saying why on CUDA). ``capture``: how to capture (``None``: :func:`cuda_capture`, on CUDA only).
 
     Example::
 
         >>> opt = torch.optim.AdamW(torch.nn.Linear(1, 1).parameters())
-        >>> graph = OptimizerGraph(opt); opt.param_groups[0]["capturable"] = True
-        >>> states = [opt.state_dict()]
-        >>> checkpoint_as_eager(states, [graph]); states[0]["param_groups"][0]["capturable"]
-        False
+        >>> install_optimizer_graphs([opt], None, torch.device("cpu"))
+        [None]
     """
-    for state, graph in zip(optimizer_states, graphs, strict=False):
-        if graph is None:
-            continue
-        for group, capturable in zip(state.get("param_groups", []), graph._capturable, strict=False):
-            if capturable is not None:
-                group["capturable"] = capturable
+    on_cuda = device.type == "cuda" or capture is not None
+    graphs: list[OptimizerGraph | None] = []
+    for optimizer in optimizers:
+        refusal = OptimizerGraph.refusal(optimizer, scaler, on_cuda)
+        if refusal is not None and on_cuda:
+            rank_zero_info(f"FuseCallback: {type(optimizer).__name__}'s update runs eagerly: {refusal}.")
+        graph = None if refusal else OptimizerGraph(optimizer, capture=capture or cuda_capture)
+        if graph is not None:
+            graph.install()
+        graphs.append(graph)
+    return graphs
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
