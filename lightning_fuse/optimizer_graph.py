@@ -173,7 +173,8 @@ class OptimizerGraph:
         """What became of the graph, for the fit's summary."""
         if not self.replays:
             return f"optimizer step: eager ({self.disabled_reason or 'not captured'})"
-        since = f"; eager since: {self.disabled_reason}" if self.disabled_reason and self.trial.keep else ""
+        dropped_by_trial = self.trial.decided and not self.trial.keep  # the trial's verdict says why
+        since = f"; eager since: {self.disabled_reason}" if self.disabled_reason and not dropped_by_trial else ""
         return f"optimizer step: {self.replays} replays{self.trial.describe()}{since}"
 
     # ------------------------------------------------------------------ the step
