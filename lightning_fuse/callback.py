@@ -130,10 +130,10 @@ class FuseCallback(Callback):
     ) -> None:
         self.options = FuseOptions(
             targets=targets, exclude=exclude, mode=mode, backend=backend, fullgraph=fullgraph, dynamic=dynamic,
-            options=options, cuda_graph=cuda_graph, optimizer_graph=optimizer_graph, dynamic_dims=dynamic_dims, verify=verify, cache_dir=cache_dir,
-            recompile_limit=recompile_limit, on_recompile_limit=on_recompile_limit, warmup_steps=warmup_steps,
-            eager_steps=eager_steps, reference_budget=reference_budget, gpu_sample_hz=gpu_sample_hz,
-            profile_steps=profile_steps, length_fn=length_fn, pad_buckets=pad_buckets,
+            options=options, cuda_graph=cuda_graph, optimizer_graph=optimizer_graph, dynamic_dims=dynamic_dims,
+            verify=verify, cache_dir=cache_dir, recompile_limit=recompile_limit, on_recompile_limit=on_recompile_limit,
+            warmup_steps=warmup_steps, eager_steps=eager_steps, reference_budget=reference_budget,
+            gpu_sample_hz=gpu_sample_hz, profile_steps=profile_steps, length_fn=length_fn, pad_buckets=pad_buckets,
         )  # fmt: skip
         self.history: list[dict[str, Any]] = []
         self.resumed_plan: str | None = None  # the plan of the checkpoint this fit resumed from, if any

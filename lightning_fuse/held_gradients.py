@@ -59,8 +59,9 @@ def own_kept_gradients(params: Sequence[nn.Parameter]) -> None:
     micro-batches, or zeroed in place rather than set to ``None``) would be overwritten by the next replay before
     the new gradient is added to it: by its backward, and already by its forward, since the forward and the
     backward graphs share one memory pool and a gradient buffer may sit where the forward keeps its temporaries
-    (on an H100, a bias's gradient did). So the copy is made before the forward, although Lightning zeroes the
-    gradients (to ``None``: nothing left to copy) only between the forward and the backward.
+    (on an H100, a bias's gradient did). So the copy is made before the forward wherever the gradients are kept;
+    where they are zeroed between the forward and the backward, :func:`own_kept_gradients_before_backward` makes
+    it at the backward instead.
 
     Example::
 

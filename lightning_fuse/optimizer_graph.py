@@ -44,7 +44,7 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import describe_error
-from lightning_fuse.timing import SKIPPED, StepTimer
+from lightning_fuse.timing import StepTimer
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 """Optimizers whose update is captured: each evaluates its closure once, and takes a device tensor as its learning
@@ -201,9 +201,10 @@ class OptimizerGraph:
             return EAGER if self._warm_up() else self._eager_update()
         if not self.captured and not self._capture():
             return self._eager_update()
-        if [p.grad is not None for p in self._params] != [True] * len(self._params) or self._grads_differ():
+        grads = [p.grad for p in self._params]
+        if not self._fit_buffers(grads):
             return self._eager_update()
-        compat.copy_tensors(self._grads, [p.grad for p in self._params])
+        compat.copy_tensors(self._grads, grads)
         self._refresh_lrs()
         self._replay()
         self.replays += 1
@@ -241,18 +242,14 @@ class OptimizerGraph:
         """Capture the update (it does not run); ``False`` when it failed, said once."""
         self._grads = [torch.zeros_like(p) for p in self._params]
         try:
-            update = self._with_graph_inputs_fn()
-            self._replay = self._capture_fn(update)
+            params, grads, step = self._params, self._grads, self._previous_step
+            self._replay = self._capture_fn(lambda: self._with_graph_inputs(step, grads, params))
             self._captured_in_last_step = True
         except Exception as err:  # noqa: BLE001 - a failed capture costs the graph, never the run
             self.release()
             self._disable(f"the capture failed ({describe_error(err)})")
             return False
         return True
-
-    def _with_graph_inputs_fn(self) -> Callable[[], None]:
-        params, grads, step = self._params, self._grads, self._previous_step
-        return lambda: self._with_graph_inputs(step, grads, params)
 
     def _with_graph_inputs(self, step: Callable[[], Any], grads: Sequence[torch.Tensor] | None,
                            params: Sequence[nn.Parameter] = ()) -> None:  # fmt: skip
@@ -296,10 +293,11 @@ class OptimizerGraph:
                 return False
         return True
 
-    def _grads_differ(self) -> bool:
-        """Whether a gradient's shape, dtype or device is not its buffer's (a sparse or odd gradient)."""
-        return any(g.shape != b.shape or g.dtype != b.dtype or g.device != b.device or g.is_sparse
-                   for g, b in zip((p.grad for p in self._params), self._grads, strict=True))  # fmt: skip
+    def _fit_buffers(self, grads: list[torch.Tensor | None]) -> bool:
+        """Whether every captured parameter has a gradient of its buffer's shape, dtype and device (not a frozen
+        parameter's ``None``, nor a sparse gradient), in one pass over them."""
+        return all(g is not None and g.shape == b.shape and g.dtype == b.dtype and g.device == b.device
+                   and not g.is_sparse for g, b in zip(grads, self._grads, strict=True))  # fmt: skip
 
     def _disable(self, reason: str) -> None:
         if self.disabled_reason is None:
