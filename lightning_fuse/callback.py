@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_fuse import compat
-from lightning_fuse.choice import activate_plan
+from lightning_fuse.choice import activate_plan, share_optimizer_verdict
 from lightning_fuse.compiler import RECOMPILE_LIMIT
 from lightning_fuse.fit import FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
@@ -208,6 +208,7 @@ class FuseCallback(Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
         self._drop_plan_if_slower_over_window(trainer, self.fit.end_step())
+        share_optimizer_verdict(self.fit, trainer.strategy.broadcast)
 
     @override
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -21,7 +21,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info
@@ -30,7 +31,7 @@ from lightning_fuse import compat
 from lightning_fuse.buckets import suggest_buckets
 from lightning_fuse.compiler import changes_in_training
 from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
-from lightning_fuse.optimizer_graph import install_optimizer_graphs
+from lightning_fuse.optimizer_graph import SETTLE_EVERY, install_optimizer_graphs, settle_together
 from lightning_fuse.plan import for_varying_shapes
 from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
 from lightning_fuse.shapes import mark_dims, mark_region_inputs
@@ -73,12 +74,26 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
     plan.install()
     fit.plan = plan
     if fit.options.optimizer_graph and fit.runs_compiled():
-        scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision's GradScaler (fp16)
-        fit.optimizer_graphs = install_optimizer_graphs(trainer.optimizers, scaler, fit.setting.device,
-                                                        fit.capture_optimizer)  # fmt: skip
+        _install_optimizer_graphs(fit, trainer)
     if plan.name == "eager" and fit.decision is not None:
         fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
         fit.schedule.plan_epoch(fit.steps, 1, 0)  # and the chunks already placed in this epoch go
+
+
+def _install_optimizer_graphs(fit: FitState, trainer: pl.Trainer) -> None:
+    scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision's GradScaler (fp16)
+    alone = fit.setting.world_size == 1
+    fit.optimizer_graphs = install_optimizer_graphs(trainer.optimizers, scaler, fit.setting.device,
+                                                    fit.capture_optimizer, decides_alone=alone)  # fmt: skip
+    fit.optimizer_verdict_pending = not alone and any(graph is not None for graph in fit.optimizer_graphs)
+
+
+def share_optimizer_verdict(fit: FitState, broadcast: Callable[[Any], Any]) -> None:
+    """With several processes, rank zero's trial decides every rank's optimizer graphs: one ``broadcast`` every
+    :data:`~lightning_fuse.optimizer_graph.SETTLE_EVERY` steps from the plan's activation, on every rank alike,
+    until rank zero has a word for each (:func:`~lightning_fuse.optimizer_graph.settle_together`)."""
+    if fit.optimizer_verdict_pending and (fit.steps - fit.activation_step) % SETTLE_EVERY == 0:
+        fit.optimizer_verdict_pending = not settle_together(fit.optimizer_graphs, broadcast)
 
 
 def _decision_file(fit: FitState) -> DecisionFile | None:

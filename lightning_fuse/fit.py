@@ -116,6 +116,8 @@ class FitState:
     no_cache: NoCacheInTraining | None = None
     optimizer_graphs: list[OptimizerGraph | None] = field(default_factory=list)
     """Each optimizer's captured update, in the Trainer's order (``None``: it steps as always)."""
+    optimizer_verdict_pending: bool = False
+    """Several processes: rank zero's optimizer-graph trial has yet to decide every rank's graphs."""
     capture_optimizer: Any = None
     """How an optimizer's update is captured (``None``: in a CUDA graph; a test on CPU fakes it)."""
     _recorder: Any = None

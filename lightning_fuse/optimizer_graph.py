@@ -20,6 +20,8 @@ and as a measured choice:
   trains differently for it.
 - **Kept by measurement.** After the capture, whole steps alternate in blocks between the replay and the eager
   update (:class:`Trial`); the graph stays only where the median whole step is below :data:`KEEP_BELOW` of eager's.
+  With several processes, rank zero's trial decides for every rank (:func:`settle_together`): a rank that kept its
+  graph and one that dropped it would update with different kernels, and their parameters would drift apart.
 
 Only Adam, AdamW and SGD as torch ships them are taken (an optimizer that evaluates its closure several times, or
 one with step hooks, is left alone), and no ``GradScaler`` (its step skips updates on the host's word).
@@ -34,6 +36,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +58,9 @@ TRIAL_BLOCKS = 5
 """Blocks of each kind the trial runs before deciding (more if eager reference steps left too few timed)."""
 KEEP_BELOW = 0.97
 """The graph is kept where the trial's median whole step with it is below this share of the eager update's."""
+SETTLE_EVERY = 2 * (TRIAL_BLOCKS + 1) * BLOCK_STEPS
+"""With several processes, the training steps between two shares of rank zero's verdict (:func:`settle_together`):
+one trial and a block pair more, so that the first share usually finds the trial done."""
 GRAPH, EAGER = "graph", "eager"
 Capture = Callable[[Callable[[], None]], Callable[[], None]]
 
@@ -74,6 +80,8 @@ class OptimizerGraph:
         optimizer: A torch optimizer (see :meth:`refusal` for which).
         capture: ``update -> replay`` (:func:`cuda_capture`; injectable, so the bookkeeping is testable on a CPU).
         timer: Times the trial's whole steps (one mark per ``step()`` call).
+        decides_alone: Whether this process's trial decides (one process); ``False``: it only measures, and
+            :meth:`settle` applies the verdict shared by rank zero (:func:`settle_together`).
 
     Example::
 
@@ -90,8 +98,9 @@ class OptimizerGraph:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, capture: Capture = cuda_capture,
-                 timer: StepTimer | None = None) -> None:  # fmt: skip
+                 timer: StepTimer | None = None, decides_alone: bool = True) -> None:  # fmt: skip
         self.optimizer = optimizer
+        self.decides_alone = decides_alone
         self.enabled = True
         self.replays = 0
         self.disabled_reason: str | None = None
@@ -175,7 +184,8 @@ class OptimizerGraph:
             return f"optimizer step: eager ({self.disabled_reason or 'not captured'})"
         dropped_by_trial = self.trial.decided and not self.trial.keep  # the trial's verdict says why
         since = f"; eager since: {self.disabled_reason}" if self.disabled_reason and not dropped_by_trial else ""
-        return f"optimizer step: {self.replays} replays{self.trial.describe()}{since}"
+        trial = self.trial.describe() if self.trial.decided or not self.disabled_reason else ""
+        return f"optimizer step: {self.replays} replays{trial}{since}"
 
     # ------------------------------------------------------------------ the step
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -318,29 +328,55 @@ class OptimizerGraph:
         self.trial.advance(self._last_mode == GRAPH)
         if self.trial.due():
             times = self._timer.collect()
-            self.trial.decide(times.get(GRAPH, []), times.get(EAGER, []))
-            if self.trial.keep:
-                rank_zero_info(f"FuseCallback: the optimizer's update replays from a CUDA graph: whole steps "
-                               f"measured {self.trial.ratio:.2f}x of the eager update's.")  # fmt: skip
-            else:
-                self._disable(f"the trial measured it at {self.trial.ratio:.2f}x of the eager update's whole step")
+            self.trial.measure(times.get(GRAPH, []), times.get(EAGER, []))
+            if self.decides_alone and self.trial.measured is not None:
+                self.settle(self.trial.measured)
+
+    def proposal(self) -> float | None:
+        """This process's word for a shared verdict (:func:`settle_together`): its trial's ratio, ``inf`` where the
+        graph is gone for good (disabled or uninstalled), ``None`` while the trial has too few steps to say."""
+        if self.trial.decided:
+            return self.trial.ratio
+        if self.disabled_reason is not None or self._previous_step is None:
+            return math.inf
+        return self.trial.measured
+
+    def settle(self, ratio: float) -> None:
+        """Keep the graph where ``ratio`` (the whole step with it over the eager update's; ``inf``: rank zero's
+        graph is gone) is below :data:`KEEP_BELOW`, else run the optimizer's own update from now on."""
+        if self.trial.decided:
+            return
+        if not math.isfinite(ratio):
+            self._disable("rank zero's update runs eagerly, and every rank updates the same way")
+            return
+        self.trial.settle(ratio)
+        if self.trial.keep:
+            rank_zero_info(f"FuseCallback: the optimizer's update replays from a CUDA graph: whole steps "
+                           f"measured {ratio:.2f}x of the eager update's.")  # fmt: skip
+        else:
+            self._disable(f"the trial measured it at {ratio:.2f}x of the eager update's whole step")
 
 
 class Trial:
-    """Alternates whole steps with the replayed and the eager update in blocks, then decides on their medians.
+    """Alternates whole steps with the replayed and the eager update in blocks, measures their medians' ratio, and
+    is settled on a ratio (its own, or rank zero's).
 
     Example::
 
         >>> trial = Trial()
-        >>> trial.decide([4.0, 4.1, 3.9] * 4, [5.0, 5.2, 4.9] * 4)
-        >>> trial.keep, round(trial.ratio, 2)
-        (True, 0.8)
+        >>> trial.measure([4.0, 4.1, 3.9] * 4, [5.0, 5.2, 4.9] * 4)
+        >>> round(trial.measured, 2)
+        0.8
+        >>> trial.settle(trial.measured); trial.keep
+        True
     """
 
     def __init__(self) -> None:
         self.decided = False
         self.keep = False
         self.ratio: float | None = None
+        self.measured: float | None = None
+        """The replay's median whole step over the eager update's (``None``: too few timed steps yet)."""
         self._steps = 0  # whole steps since the capture
         self._graph_ms: list[float] = []
         self._eager_ms: list[float] = []
@@ -356,17 +392,18 @@ class Trial:
     def due(self) -> bool:
         return self._steps >= 2 * TRIAL_BLOCKS * BLOCK_STEPS and self._steps % (2 * BLOCK_STEPS) == 0
 
-    def decide(self, graph_ms: list[float], eager_ms: list[float]) -> None:
-        """Keep the graph where its median whole step is below :data:`KEEP_BELOW` of eager's; with fewer than
-        half a trial's steps timed of either (eager reference steps between), run another round first."""
+    def measure(self, graph_ms: list[float], eager_ms: list[float]) -> None:
+        """Add a round's whole steps and measure; with fewer than half a trial's steps timed of either (eager
+        reference steps between), :attr:`measured` waits for another round."""
         self._graph_ms += graph_ms
         self._eager_ms += eager_ms
         enough = TRIAL_BLOCKS * BLOCK_STEPS // 2
-        if min(len(self._graph_ms), len(self._eager_ms)) < enough:
-            return
-        self.ratio = statistics.median(self._graph_ms) / statistics.median(self._eager_ms)
-        self.keep = self.ratio < KEEP_BELOW
-        self.decided = True
+        if min(len(self._graph_ms), len(self._eager_ms)) >= enough:
+            self.measured = statistics.median(self._graph_ms) / statistics.median(self._eager_ms)
+
+    def settle(self, ratio: float) -> None:
+        """Decide on ``ratio``: keep the graph where it is below :data:`KEEP_BELOW`."""
+        self.ratio, self.keep, self.decided = ratio, ratio < KEEP_BELOW, True
 
     def describe(self) -> str:
         if not self.decided:
@@ -376,9 +413,11 @@ class Trial:
 
 
 def install_optimizer_graphs(optimizers: Sequence[torch.optim.Optimizer], scaler: Any, device: torch.device,
-                             capture: Capture | None = None) -> list[OptimizerGraph | None]:  # fmt: skip
+                             capture: Capture | None = None, decides_alone: bool = True,
+                             ) -> list[OptimizerGraph | None]:  # fmt: skip
     """An installed :class:`OptimizerGraph` for each optimizer that may have one (``None`` for the others, with
-    one line saying why on CUDA). ``capture``: how to capture (``None``: :func:`cuda_capture`, on CUDA only).
+    one line saying why on CUDA). ``capture``: how to capture (``None``: :func:`cuda_capture`, on CUDA only);
+    ``decides_alone``: one process (else :func:`settle_together` decides).
 
     Example::
 
@@ -392,11 +431,33 @@ def install_optimizer_graphs(optimizers: Sequence[torch.optim.Optimizer], scaler
         refusal = OptimizerGraph.refusal(optimizer, scaler, on_cuda)
         if refusal is not None and on_cuda:
             rank_zero_info(f"FuseCallback: {type(optimizer).__name__}'s update runs eagerly: {refusal}.")
-        graph = None if refusal else OptimizerGraph(optimizer, capture=capture or cuda_capture)
+        graph = None if refusal else OptimizerGraph(optimizer, capture=capture or cuda_capture,
+                                                    decides_alone=decides_alone)  # fmt: skip
         if graph is not None:
             graph.install()
         graphs.append(graph)
     return graphs
+
+
+def settle_together(graphs: Sequence[OptimizerGraph | None], broadcast: Callable[[Any], Any]) -> bool:
+    """With several processes: every rank's graphs take rank zero's word (:meth:`OptimizerGraph.proposal`, one
+    ``broadcast`` for all of them); ``True`` once rank zero had a word for each, the same on every rank, so that
+    every rank calls it at the same steps until then.
+
+    Example::
+
+        >>> opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1, fused=True)
+        >>> graph = OptimizerGraph(opt, capture=lambda update: update, decides_alone=False)
+        >>> settle_together([graph, None], broadcast=lambda words: [0.8, None])  # as rank zero measured
+        True
+        >>> graph.trial.keep
+        True
+    """
+    words = broadcast([graph.proposal() if graph is not None else None for graph in graphs])
+    for graph, word in zip(graphs, words, strict=True):
+        if graph is not None and word is not None:
+            graph.settle(word)
+    return all(word is not None for graph, word in zip(graphs, words, strict=True) if graph is not None)
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Helpers for the reliability, resume and DDP tests: probes, a real compile-cache artifact, TensorBoard reads."""
+"""Helpers for the reliability, resume, DDP and optimizer-graph tests: probes, a real compile-cache artifact,
+TensorBoard reads, an optimizer capture and trial timer faked on CPU."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import lightning_fuse
 from lightning_fuse import FuseCallback
+from lightning_fuse.optimizer_graph import EAGER, GRAPH
 from tests.toy import RecordingTask, trainer
 
 PACKAGE = Path(lightning_fuse.__file__).resolve().parent
@@ -81,3 +84,35 @@ def scalar_steps(logdir: Path, tag: str) -> list[int]:
         if tag in events.Tags()["scalars"]:
             steps += [event.step for event in events.Scalars(tag)]
     return steps
+
+
+def fake_capture(update):
+    """An optimizer capture on CPU: the "replay" runs the update again, reading the graph's inputs."""
+    return update
+
+
+class FakeOptimizerCapture(Callback):
+    """Lets FuseCallback capture optimizer updates on CPU (faked), as it does on CUDA."""
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        fuse = next(cb for cb in trainer.callbacks if isinstance(cb, FuseCallback))
+        fuse.fit.capture_optimizer = fake_capture
+
+
+class FakeTimer:
+    """Whole steps of ``graph_ms`` after a replayed update and ``eager_ms`` after an eager one."""
+
+    def __init__(self, graph_ms: float, eager_ms: float) -> None:
+        self.times = {GRAPH: graph_ms, EAGER: eager_ms}
+        self.kinds: list[str] = []
+
+    def start(self) -> None:
+        pass
+
+    def stop(self, kind: str) -> None:
+        self.kinds.append(kind)
+
+    def collect(self) -> dict[str, list[float]]:
+        out = {kind: [self.times[kind]] * self.kinds.count(kind) for kind in self.times}
+        self.kinds = []
+        return out

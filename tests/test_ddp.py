@@ -1,4 +1,5 @@
-"""FuseCallback under CPU DDP: two processes (gloo) train compiled, log once, and share one compile cache."""
+"""FuseCallback under CPU DDP: two processes (gloo) train compiled, log once, share one compile cache, and keep or
+drop their optimizer graphs together."""
 
 from __future__ import annotations
 
@@ -10,9 +11,20 @@ from pathlib import Path
 
 import torch
 
+from lightning_fuse.optimizer_graph import BLOCK_STEPS, TRIAL_BLOCKS
 from tests.faults import artifacts_path, scalar_steps, valid_artifacts
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_ranks(script: str, *args) -> list[dict]:
+    """Run ``tests/<script>`` with 2 processes; what each rank wrote (a script in a subprocess: Lightning's DDP
+    launcher starts rank 1 by running the same command line again)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / script), *map(str, args)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=180, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return [json.loads((Path(args[0]) / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
 
 def test_two_process_ddp_fit_runs_one_plan_on_both_ranks_logs_once_and_keeps_the_shared_cache(tmp_path):
@@ -20,14 +32,7 @@ def test_two_process_ddp_fit_runs_one_plan_on_both_ranks_logs_once_and_keeps_the
     artifacts = artifacts_path(cache_root)  # the key does not depend on the world size: DDP uses this directory
     artifacts.write_bytes(valid_artifacts())
 
-    # a script in a subprocess: Lightning's DDP launcher starts rank 1 by running the same command line again
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "ddp_fit.py"), str(tmp_path), str(cache_root)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=180,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    ranks = run_ranks("ddp_fit.py", tmp_path, cache_root)
 
     for rank in ranks:
         assert rank["world_size"] == 2
@@ -53,3 +58,16 @@ def test_two_process_ddp_fit_runs_one_plan_on_both_ranks_logs_once_and_keeps_the
     assert [p.name for p in cache_root.iterdir()] == [artifacts.parent.name]
     assert not [p.name for p in cache_root.rglob("*") if ".tmp" in p.name]
     assert torch.compiler.load_cache_artifacts(artifacts.read_bytes()) is not None
+
+
+def test_rank_zeros_trial_decides_both_ranks_optimizer_graphs(tmp_path):
+    """Rank zero's trial measures 0.8x (keep), rank 1's 1.0x (alone, it would drop): both keep, on rank zero's word,
+    and update alike."""
+    ranks = run_ranks("ddp_optimizer_fit.py", tmp_path)
+    assert [rank["measured"] for rank in ranks] == [0.8, 1.0]
+    for rank in ranks:
+        assert rank["steps"] == 70  # rank zero's word is shared 48 steps (SETTLE_EVERY) after the plan's activation
+        assert rank["decided"] and rank["keep"] and rank["ratio"] == 0.8, rank
+        assert rank["replays"] > TRIAL_BLOCKS * BLOCK_STEPS + 10, rank  # the trial's replays, and every step after
+        assert "kept at 0.80x" in rank["what_ran"]
+    assert abs(ranks[0]["param_sum"] - ranks[1]["param_sum"]) < 1e-6, "both ranks updated alike"

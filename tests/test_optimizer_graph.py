@@ -9,21 +9,18 @@ Fused AdamW and fused SGD run on CPU; foreach Adam with ``capturable=True`` need
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch import Callback
-from toy import ToyTask, trainer
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.optimizer_graph import BLOCK_STEPS, EAGER, GRAPH, TRIAL_BLOCKS, OptimizerGraph, Trial
-
-
-def fake_capture(update):
-    return update
-
+from lightning_fuse.optimizer_graph import BLOCK_STEPS, TRIAL_BLOCKS, OptimizerGraph, Trial, settle_together
+from tests.faults import FakeOptimizerCapture, FakeTimer, fake_capture
+from tests.toy import ToyTask, trainer
 
 OPTIMIZERS = {
     "adamw": lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.1, fused=True),
@@ -183,25 +180,6 @@ def test_an_optimizer_with_step_hooks_is_not_captured():
     assert "step hooks" in OptimizerGraph.refusal(optimizer, None, on_cuda=True)
 
 
-class FakeTimer:
-    """Whole steps of ``graph_ms`` after a replayed update and ``eager_ms`` after an eager one."""
-
-    def __init__(self, graph_ms: float, eager_ms: float) -> None:
-        self.times = {GRAPH: graph_ms, EAGER: eager_ms}
-        self.kinds: list[str] = []
-
-    def start(self) -> None:
-        pass
-
-    def stop(self, kind: str) -> None:
-        self.kinds.append(kind)
-
-    def collect(self) -> dict[str, list[float]]:
-        out = {kind: [self.times[kind]] * self.kinds.count(kind) for kind in self.times}
-        self.kinds = []
-        return out
-
-
 @pytest.mark.parametrize(("graph_ms", "kept"), [(4.0, True), (5.0, False)])
 def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_ms, kept):
     net = torch.nn.Linear(2, 1)
@@ -218,18 +196,64 @@ def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_m
 
 def test_the_trial_waits_for_enough_timed_steps():
     trial = Trial()
-    trial.decide([4.0] * 3, [5.0] * 30)
-    assert not trial.decided and trial.wants_graph()
-    trial.decide([4.0] * 10, [])
+    trial.measure([4.0] * 3, [5.0] * 30)
+    assert trial.measured is None and trial.wants_graph()
+    trial.measure([4.0] * 10, [])
+    assert trial.measured == 0.8 and not trial.decided  # measuring is not deciding: settle decides
+    trial.settle(trial.measured)
     assert trial.decided and trial.keep
 
 
-class FakeOptimizerCapture(Callback):
-    """Lets FuseCallback capture optimizer updates on CPU (faked), as it does on CUDA."""
+def shared_graph(graph_ms: float) -> tuple[torch.nn.Linear, torch.optim.Optimizer, OptimizerGraph]:
+    """An optimizer graph of one of several processes, whose trial measures ``graph_ms`` against 5 ms eager."""
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=FakeTimer(graph_ms, eager_ms=5.0),
+                           decides_alone=False)  # fmt: skip
+    graph.install()
+    return net, optimizer, graph
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        fuse = next(cb for cb in trainer.callbacks if isinstance(cb, FuseCallback))
-        fuse.fit.capture_optimizer = fake_capture
+
+def test_with_several_processes_a_trial_measures_but_rank_zeros_word_decides():
+    net, optimizer, graph = shared_graph(graph_ms=4.0)  # alone, this rank would keep the graph
+    assert graph.proposal() is None
+    for _ in range(1 + 2 * TRIAL_BLOCKS * BLOCK_STEPS + 8):
+        step(net, optimizer)
+    assert graph.proposal() == 0.8 and not graph.trial.decided  # still alternating, until rank zero's word
+    assert settle_together([graph], broadcast=lambda words: [1.0]) is True  # rank zero measured 1.0x
+    assert graph.trial.decided and not graph.trial.keep and graph.disabled_reason is not None
+    replays = graph.replays
+    step(net, optimizer)
+    assert graph.replays == replays and "dropped at 1.00x" in graph.describe()
+
+
+def test_rank_zeros_word_keeps_a_graph_this_rank_would_have_dropped():
+    net, optimizer, graph = shared_graph(graph_ms=5.0)
+    for _ in range(2 + 2 * TRIAL_BLOCKS * BLOCK_STEPS):  # the eager warm-up, the capture, the trial
+        step(net, optimizer)
+    assert graph.proposal() == 1.0
+    settle_together([graph], broadcast=lambda words: [0.8])
+    replays = graph.replays
+    for _ in range(4):
+        step(net, optimizer)
+    assert graph.trial.keep and graph.replays == replays + 4 and "kept at 0.80x" in graph.describe()
+
+
+def test_until_rank_zero_has_a_word_nothing_is_settled():
+    *_, graph = shared_graph(graph_ms=4.0)
+    assert settle_together([graph, None], broadcast=lambda words: [None, None]) is False
+    assert not graph.trial.decided and graph.disabled_reason is None
+
+
+def test_a_graph_gone_on_rank_zero_sends_every_rank_to_the_eager_update():
+    net, optimizer, graph = shared_graph(graph_ms=4.0)
+    gone = OptimizerGraph(torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1, fused=True))
+    assert gone.proposal() == math.inf  # never installed (or uninstalled with its plan): it has no update to offer
+    assert settle_together([graph], broadcast=lambda words: [math.inf]) is True
+    assert "rank zero" in graph.disabled_reason
+    step(net, optimizer)
+    step(net, optimizer)
+    assert graph.replays == 0
 
 
 def test_fuse_callback_replays_the_update_under_its_plan_and_reports_it():
