@@ -767,10 +767,9 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
         >>> has_step_hooks(opt), has_step_hooks(opt.register_step_post_hook(lambda *a: None) and opt)
         (False, True)
     """
-    hooks = [getattr(optimizer, "_optimizer_step_pre_hooks", None), getattr(optimizer, "_optimizer_step_post_hooks",
-             None), *(_optional(f"torch.optim.optimizer.{name}", None) for name in ("_global_optimizer_pre_hooks",
-             "_global_optimizer_post_hooks"))]  # fmt: skip
-    return any(h is None or len(h) for h in hooks)
+    own = [getattr(optimizer, f"_optimizer_step_{when}_hooks", None) for when in ("pre", "post")]
+    shared = [_optional(f"torch.optim.optimizer._global_optimizer_{when}_hooks", None) for when in ("pre", "post")]
+    return any(hooks is None or len(hooks) for hooks in own + shared)
 
 
 def copy_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -52,16 +52,10 @@ def own_kept_gradients_before_backward(outputs: Sequence[torch.Tensor], params: 
 
 
 def own_kept_gradients(params: Sequence[nn.Parameter]) -> None:
-    """Give every gradient still held before a replay memory of its own.
-
-    A replay's backward writes the parameters' gradients into the graph's own buffers, and autograd keeps such a
-    buffer as the ``.grad`` of a parameter that had none. A gradient that outlives its step (accumulated over
-    micro-batches, or zeroed in place rather than set to ``None``) would be overwritten by the next replay before
-    the new gradient is added to it: by its backward, and already by its forward, since the forward and the
-    backward graphs share one memory pool and a gradient buffer may sit where the forward keeps its temporaries
-    (on an H100, a bias's gradient did). So the copy is made before the forward wherever the gradients are kept;
-    where they are zeroed between the forward and the backward, :func:`own_kept_gradients_before_backward` makes
-    it at the backward instead.
+    """Give every gradient still held before a replay memory of its own (why: this module's docstring). Called
+    before the forward wherever the gradients are kept; where they are zeroed between the forward and the
+    backward, :func:`own_kept_gradients_before_backward` calls it at the backward instead. After ``zero_grad()``'s
+    default (``None``) there is nothing to copy.
 
     Example::
 
