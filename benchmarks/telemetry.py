@@ -1,7 +1,8 @@
-"""Is FuseCallback's logged speedup honest, and what does its eager reference cost? Four fits in one process.
+"""Is FuseCallback's logged speedup honest, and what does its eager reference cost? Five fits in one process.
 
-For each model, batch and epoch length: an eager-only fit, a ``FuseCallback()`` fit, another eager-only fit and
-a ``FuseCallback(eager_steps=0)`` fit, each of ``--epochs`` epochs from the same seed. ``logged`` is the
+For each model, batch and epoch length: an eager-only fit, a ``FuseCallback()`` fit, another eager-only fit, a
+``FuseCallback(eager_steps=0)`` fit and a ``FuseCallback`` fit with a dense reference (:data:`DENSE`), each of
+``--epochs`` epochs from the same seed. ``logged`` is the
 ``FuseCallback()`` fit's last epoch's ``speedup`` (``speedup_low``/``speedup_high`` where the callback logs
 them); ``independent`` is the eager-only fits' median step over the ``eager_steps=0`` fit's, in the last epoch,
 with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats.bootstrap``);
@@ -9,7 +10,11 @@ with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats
 minus 1 (what the reference steps cost). ``eager_ratio_in_run`` is the median of the ``FuseCallback()`` fit's
 pooled eager reference steps (the eager side of its last epoch's speedup) over the eager-only fits' median step in
 the last epoch: 1 when the in-run reference runs as fast as plain eager; ``reference_age`` is how many epochs old
-that pool's newest chunk was in the last epoch (``fuse/reference_age``). On the GPU:
+that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager_ratio_low``/``eager_ratio_high``
+is its 95% interval, and ``reference_steps`` how many reference steps it has. A default reference has a handful,
+too few to see a 3% difference in host-bound eager steps, so the dense fit measures the same ratio from many
+(``eager_ratio_dense``, with its interval), and ``eager_fits_ratio`` (the second eager-only fit's median step over
+the first's) says how far two plain eager fits of one process agree. On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --smoke --models gpt --batches small --epoch-steps 12   # CPU, the code path
@@ -27,23 +32,27 @@ import numpy as np
 from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "epoch_steps", "logged", "logged_low", "logged_high", "independent",
-          "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "reference_age",
-          "error")  # fmt: skip
+          "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
+          "eager_ratio_high", "reference_steps", "eager_ratio_dense", "eager_ratio_dense_low",
+          "eager_ratio_dense_high", "eager_fits_ratio", "reference_age", "error")  # fmt: skip
+DENSE = {"eager_steps": 60, "reference_budget": 0.5}
+"""The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 
 
-def interval(eager: list[float], compiled: list[float]) -> tuple[float | None, float | None]:
-    """95% percentile-bootstrap interval of ``median(eager) / median(compiled)`` (``None`` without scipy)."""
+def interval(numerator: list[float], denominator: list[float]) -> tuple[float | None, float | None]:
+    """95% percentile-bootstrap interval of ``median(numerator) / median(denominator)`` (``None`` without scipy
+    or with fewer than 2 steps a side)."""
     try:
         from scipy.stats import bootstrap
     except ImportError:
         return None, None
-    if len(eager) < 2 or len(compiled) < 2:
+    if len(numerator) < 2 or len(denominator) < 2:
         return None, None
 
     def ratio(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:
         return np.median(a, axis=axis) / np.median(b, axis=axis)
 
-    ci = bootstrap((eager, compiled), ratio, n_resamples=2000, method="percentile", random_state=0).confidence_interval
+    ci = bootstrap((numerator, denominator), ratio, n_resamples=2000, method="percentile", random_state=0).confidence_interval
     return float(ci.low), float(ci.high)
 
 
@@ -59,11 +68,11 @@ def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float 
 
 
 def measure(spec: dict) -> dict:
-    """The four fits, in one process; the last epoch of each counts."""
+    """The five fits, in one process; the last epoch of each counts."""
     epochs, steps = spec["epochs"], spec["epoch_steps"]
     fits = {}
     for name, variant, fuse_kw in (("eager_1", "eager", {}), ("fuse", "fuse", {}), ("eager_2", "eager", {}),
-                                   ("fuse_0", "fuse", {"eager_steps": 0})):  # fmt: skip
+                                   ("fuse_0", "fuse", {"eager_steps": 0}), ("fuse_dense", "fuse", DENSE)):  # fmt: skip
         task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps)
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
         fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks,
@@ -73,12 +82,19 @@ def measure(spec: dict) -> dict:
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
+    reference, dense = fits["fuse"]["reference_ms"], fits["fuse_dense"]["reference_ms"]
+    in_run_low, in_run_high = interval(reference, eager)
+    dense_low, dense_high = interval(dense, eager)
     return {
         "logged": history.get("fuse/speedup"), "logged_low": history.get("fuse/speedup_low"),
         "logged_high": history.get("fuse/speedup_high"),
         "independent": ratio_of_medians(eager, compiled), "independent_low": low, "independent_high": high,
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
-        "eager_ratio_in_run": ratio_of_medians(fits["fuse"]["reference_ms"], eager),
+        "eager_ratio_in_run": ratio_of_medians(reference, eager), "eager_ratio_low": in_run_low,
+        "eager_ratio_high": in_run_high, "reference_steps": len(reference),
+        "eager_ratio_dense": ratio_of_medians(dense, eager), "eager_ratio_dense_low": dense_low,
+        "eager_ratio_dense_high": dense_high,
+        "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
         "reference_age": history.get("fuse/reference_age"),
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),
     }  # fmt: skip

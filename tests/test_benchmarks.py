@@ -157,7 +157,7 @@ def test_a_fuse_pattern_records_plan_and_recompiles(tmp_path: Path, in_process) 
     assert record["plan"] and record["recompiles"] is not None
 
 
-def test_telemetry_four_fits(tmp_path: Path, in_process) -> None:
+def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     import telemetry
 
     out = tmp_path / "telemetry.jsonl"
@@ -168,8 +168,11 @@ def test_telemetry_four_fits(tmp_path: Path, in_process) -> None:
     assert record["independent"] > 0 and record["reference_cost"] is not None
     if record["logged"] is not None:  # the logged history was read: its last epoch says how old its reference is
         assert record["reference_age"] >= 0 and record["eager_ratio_in_run"] > 0
+    assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0
     if importlib.util.find_spec("scipy"):
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
+        if record["eager_ratio_dense"] is not None:
+            assert record["eager_ratio_dense_low"] <= record["eager_ratio_dense"] <= record["eager_ratio_dense_high"]
     low, high = telemetry.interval([10.0, 11.0, 12.0, 10.5], [5.0, 5.5, 5.2, 5.1])
     assert 1.5 < low <= high < 2.5
 
