@@ -135,6 +135,11 @@ MAX_EAGER_SHARE = 1 / 3
 """At most this share of an epoch's steps run eagerly for the reference; a short epoch gets fewer reference steps."""
 UNKNOWN_EPOCH_STEPS = 1000
 """Steps an epoch of unknown length (an iterable dataset) is planned for: its chunks fall within these."""
+FIRST_CHUNK_DELAY = 40
+"""Plan steps before the first epoch's chunk (at most half the epoch's steps after the plan settles). Right after the
+plan search the reference ran up to 37% slower than plain eager on GPU-bound models (ResNet-18 at batch 256, BERT at
+128, H100), while chunks later in the same fits matched plain eager within 1%: the first steps after the search
+follow a long idle GPU (compiling), and the optimizer graph's trial runs then (``benchmarks/RESULTS.md``)."""
 REFERENCE_BUDGET = 0.02
 """Default share of the fit's training time that the eager reference (timed steps and lead-ins) may take."""
 THIN_REFERENCE = 2 * CHUNK
@@ -240,7 +245,8 @@ class EagerSchedule:
     epoch's steps after compile and warmup, so the eager and compiled medians come from the same minutes of the
     same run (on shared machines host-bound steps drift by 5-10% within a run).
 
-    How many: the first epoch takes one chunk right after compile and warmup, as nothing is known before; from
+    How many: the first epoch takes one chunk soon after compile and warmup (:data:`FIRST_CHUNK_DELAY` plan steps
+    on, or mid-epoch in a short one), as nothing is known before; from
     then on, the caller passes the step times measured so far and :func:`affordable_reference` buys what the budget
     allows, carrying what is left as credit. So the reference (timed steps and lead-ins) takes at most
     ``reference_budget`` of the fit's training time, once the fit is long enough to repay that first chunk
@@ -261,7 +267,7 @@ class EagerSchedule:
     Example::
 
         >>> schedule = EagerSchedule(eager_steps=20, warmup=2)
-        >>> schedule.plan_epoch(first_step=0, steps=100, settle=1)  # nothing known yet: one chunk, early
+        >>> schedule.plan_epoch(first_step=0, steps=100, settle=1)  # nothing known yet: one chunk, 40 steps on
         5
         >>> [step for step in range(100) if schedule.is_eager(step)]
         [0, 1, 3, 4, 5, 6, 7, 8]
@@ -318,6 +324,8 @@ class EagerSchedule:
             timed, self.credit_ms = affordable_reference(
                 steps, eager_ms, compiled_ms, self.reference_budget, self.credit_ms, self.eager_steps, room
             )
+        if first:
+            low += min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK))
         self._place(low, CHUNK + 1 if first else span, timed)
         return timed
 
