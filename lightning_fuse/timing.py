@@ -270,7 +270,7 @@ class EagerSchedule:
         >>> schedule.plan_epoch(first_step=0, steps=100, settle=1)  # nothing known yet: one chunk, 40 steps on
         5
         >>> [step for step in range(100) if schedule.is_eager(step)]
-        [0, 1, 3, 4, 5, 6, 7, 8]
+        [0, 1, 43, 44, 45, 46, 47, 48]
         >>> schedule.plan_epoch(first_step=100, steps=100, settle=1, eager_ms=30.0, compiled_ms=10.0)  # in debt
         0
         >>> round(schedule.credit_ms, 1)  # 2% of 200 steps at 10 ms, less 6 reference steps at 29.6 ms

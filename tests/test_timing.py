@@ -15,6 +15,7 @@ from lightning_fuse.timing import (
     CHUNK,
     COMPILED,
     EAGER,
+    FIRST_CHUNK_DELAY,
     LEAD_IN,
     SKIPPED,
     EagerSchedule,
@@ -81,18 +82,26 @@ def test_the_schedule_rejects_bad_arguments_saying_what_to_do(kwargs, match):
 # ------------------------------------------------------------------ the schedule: a time budget
 
 
-def test_the_first_measurement_is_one_chunk_right_after_compile_and_warmup():
+def test_the_first_measurement_is_one_chunk_a_while_after_the_plan_settles():
     schedule = EagerSchedule(eager_steps=20, warmup=3)
     assert schedule.plan_epoch(first_step=0, steps=1000, settle=2) == CHUNK  # nothing known: one chunk
-    assert [s for s in range(1000) if schedule.is_lead_in(s)] == [5]
-    assert [s for s in range(1000) if schedule.is_timed(s)] == [6, 7, 8, 9, 10]
+    settled = 3 + 2  # the fit-start steps, then the plan's compile and capture
+    assert [s for s in range(1000) if schedule.is_lead_in(s)] == [settled + FIRST_CHUNK_DELAY]
+    assert [s for s in range(1000) if schedule.is_timed(s)] == list(range(settled + FIRST_CHUNK_DELAY + 1, 51))
+
+
+def test_a_short_first_epoch_takes_its_chunk_in_its_middle():
+    schedule = EagerSchedule(eager_steps=20, warmup=3)
+    assert schedule.plan_epoch(first_step=0, steps=40, settle=2) == CHUNK
+    (lead_in,) = [s for s in range(40) if schedule.is_lead_in(s)]
+    assert lead_in == 5 + (40 - 1 - 5) // 2 - CHUNK  # before the middle of what is left, by a chunk
 
 
 def test_the_first_measurement_is_retried_until_an_epoch_has_room_for_it():
     schedule = EagerSchedule(eager_steps=20, warmup=3)
     assert schedule.plan_epoch(first_step=0, steps=8, settle=1) == 0  # 3 steps of room: too few for 1 + 5
     assert schedule.plan_epoch(first_step=8, steps=50, settle=1) == CHUNK  # still nothing measured: try again
-    assert [s for s in range(8, 58) if schedule.is_lead_in(s)] == [8]
+    assert [s for s in range(8, 58) if schedule.is_lead_in(s)] == [8 + (57 - 8) // 2 - CHUNK]
 
 
 def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 0.02, eager_steps: int = 20,
