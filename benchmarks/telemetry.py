@@ -52,8 +52,8 @@ def interval(numerator: list[float], denominator: list[float]) -> tuple[float | 
     def ratio(a: np.ndarray, b: np.ndarray, axis: int) -> np.ndarray:
         return np.median(a, axis=axis) / np.median(b, axis=axis)
 
-    ci = bootstrap((numerator, denominator), ratio, n_resamples=2000, method="percentile", random_state=0).confidence_interval
-    return float(ci.low), float(ci.high)
+    result = bootstrap((numerator, denominator), ratio, n_resamples=2000, method="percentile", random_state=0)
+    return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
 def reference_steps(callbacks: list) -> list[float]:

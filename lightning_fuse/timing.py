@@ -136,10 +136,11 @@ MAX_EAGER_SHARE = 1 / 3
 UNKNOWN_EPOCH_STEPS = 1000
 """Steps an epoch of unknown length (an iterable dataset) is planned for: its chunks fall within these."""
 FIRST_CHUNK_DELAY = 40
-"""Plan steps before the first epoch's chunk (at most half the epoch's steps after the plan settles). Right after the
-plan search the reference ran up to 37% slower than plain eager on GPU-bound models (ResNet-18 at batch 256, BERT at
-128, H100), while chunks later in the same fits matched plain eager within 1%: the first steps after the search
-follow a long idle GPU (compiling), and the optimizer graph's trial runs then (``benchmarks/RESULTS.md``)."""
+"""Plan steps before the first epoch's chunk (at most half the epoch's steps after the plan settles). Taken right
+after the plan search, the reference ran up to 37% slower than plain eager on GPU-bound models (ResNet-18 at batch
+256, BERT at 128, H100), while chunks taken later matched plain eager within 1-3%. The cause is not pinned down (the
+search leaves the GPU idle and inductor's workers busy, and the optimizer graph's trial starts then);
+``benchmarks/RESULTS.md`` has the measurements."""
 REFERENCE_BUDGET = 0.02
 """Default share of the fit's training time that the eager reference (timed steps and lead-ins) may take."""
 THIN_REFERENCE = 2 * CHUNK
