@@ -325,9 +325,9 @@ class EagerSchedule:
             timed, self.credit_ms = affordable_reference(
                 steps, eager_ms, compiled_ms, self.reference_budget, self.credit_ms, self.eager_steps, room
             )
-        if first:
-            low += min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK))
-        self._place(low, CHUNK + 1 if first else span, timed)
+        if first:  # one chunk, placed on its own
+            low, span = low + min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK)), CHUNK + 1
+        self._place(low, span, timed)
         return timed
 
     def _settle(self, eager_ms: float, compiled_ms: float) -> None:
