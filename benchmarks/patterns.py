@@ -76,20 +76,25 @@ class MoE(nn.Module):
         return out.view_as(x)
 
 
-def varying_length(task: models.Task, spec: dict) -> None:
-    """Batches padded to their longest sequence, padding masked out. Each batch's longest row is drawn from 1/8 to
-    all of the model's length (so that the batches spread over ``pad_buckets``' sizes), its other rows from half
-    that to all of it."""
-    batches = []
-    for batch in task.data.batches * 4:  # 16 distinct lengths
-        ids = batch["input_ids"]
-        longest = int(torch.randint(ids.shape[1] // 8, ids.shape[1] + 1, ()))
-        lengths = torch.randint(longest // 2, longest + 1, (ids.shape[0],))
-        lengths[0] = longest
-        mask = (torch.arange(longest) < lengths[:, None]).long()
-        batches.append({"input_ids": ids[:, :longest], "attention_mask": mask,
-                        "labels": ids[:, :longest].masked_fill(mask == 0, -100)})  # fmt: skip
-    task.data.batches = batches
+def varying_length(copies: int) -> Callable[[models.Task, dict], None]:
+    """Batches padded to their longest sequence, padding masked out, ``copies`` of each of the task's random batches
+    cut to its own length: 4 copies give 16 lengths that come again (a small dataset), 40 each step its own. Each
+    batch's longest row is drawn from 1/8 to all of the model's length (so that the batches spread over
+    ``pad_buckets``' sizes), its other rows from half that to all of it."""
+
+    def apply(task: models.Task, spec: dict) -> None:
+        batches = []
+        for batch in task.data.batches * copies:
+            ids = batch["input_ids"]
+            longest = int(torch.randint(ids.shape[1] // 8, ids.shape[1] + 1, ()))
+            lengths = torch.randint(longest // 2, longest + 1, (ids.shape[0],))
+            lengths[0] = longest
+            mask = (torch.arange(longest) < lengths[:, None]).long()
+            batches.append({"input_ids": ids[:, :longest], "attention_mask": mask,
+                            "labels": ids[:, :longest].masked_fill(mask == 0, -100)})  # fmt: skip
+        task.data.batches = batches
+
+    return apply
 
 
 def checkpointing(reentrant: bool) -> Callable[[models.Task, dict], None]:
@@ -121,7 +126,7 @@ def moe(task: models.Task, spec: dict) -> None:
 
 
 def buckets(task: models.Task, spec: dict) -> dict:
-    varying_length(task, spec)
+    varying_length(4)(task, spec)
     return {"fuse": {"pad_buckets": (8, 16) if spec["smoke"] else (64, 128, 256, 512)}}
 
 
@@ -145,7 +150,8 @@ PATTERNS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Callable, dict]] = {
     "fp16_scaler": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "16-mixed"}),
     "bf16_true": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "bf16-true"}),
     "precompiled": (HF + VISION, ("eager", "fuse"), precompiled, {}),
-    "varying_length": (HF, ALL_VARIANTS, varying_length, {}),
+    "varying_length": (HF, ALL_VARIANTS, varying_length(4), {}),
+    "varying_length_each": (HF, ALL_VARIANTS, varying_length(40), {}),
     "varying_length_buckets": (HF, ("fuse",), buckets, {}),
     "moe": (("gpt",), ALL_VARIANTS, moe, {}),
 }

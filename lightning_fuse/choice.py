@@ -2,8 +2,8 @@
 inputs (:mod:`~lightning_fuse.search`), or forced by explicit settings; then installed, the other candidates released.
 
 Where the shapes of the network's first training calls vary, the varying dims are compiled as dynamic from then on,
-and the candidates that record CUDA graphs (one per shape) are left out of the search, unless ``pad_buckets`` pads
-the lengths to a few sizes.
+and the candidates that capture FuseCallback's own CUDA graphs (one shape each) are left out of the search, unless
+``pad_buckets`` pads the lengths to a few sizes; torch's cudagraph trees (a graph per size) stay in.
 
 Example::
 
@@ -14,7 +14,7 @@ Example::
     ...     shapes.add((torch.zeros(2, length),), {})
     >>> print(varying_shapes_note(shapes, ["regions+graph"], buckets=0))  # doctest: +NORMALIZE_WHITESPACE
     FuseCallback: the network's input shapes vary between its first 2 training calls (lengths 5..9): dim 1 is
-    compiled as dynamic, and regions+graph (CUDA graphs, one recorded per shape) are left out of the search. To run
+    compiled as dynamic, and regions+graph (CUDA graphs of one shape each) are left out of the search. To run
     CUDA graphs over varying lengths, pad them to a few sizes: FuseCallback(pad_buckets=[8, 16]) (from the lengths
     seen; extend it to your longest sequence).
 """
@@ -124,7 +124,8 @@ def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
 
 def _hold_over_varying_shapes(fit: FitState) -> None:
     """Where the shapes recorded before the plan search vary, those dims are marked dynamic from now on and only
-    the candidates that hold over them compete (no CUDA graphs without ``pad_buckets``); one line says so."""
+    the candidates that hold over them compete (no graph of FuseCallback's own without ``pad_buckets``); one line
+    says so."""
     if not fit.shapes.varies:
         return
     fit.varying_dims = fit.shapes.varying_dims
@@ -147,7 +148,7 @@ def varying_shapes_note(shapes: CallShapes, left_out: list[str], buckets: int) -
     note = f"FuseCallback: the network's input shapes vary between its first {shapes.calls} training calls{seen}: "
     note += change
     if left_out:
-        note += f", and {', '.join(left_out)} (CUDA graphs, one recorded per shape) are left out of the search"
+        note += f", and {', '.join(left_out)} (CUDA graphs of one shape each) are left out of the search"
     if lengths and not buckets:
         note += (f". To run CUDA graphs over varying lengths, pad them to a few sizes: "
                  f"FuseCallback(pad_buckets={suggest_buckets(lengths)}) (from the lengths seen; extend it to your "

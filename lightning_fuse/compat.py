@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import importlib
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,8 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting the CUDA graphs of torch's cudagraph trees",
                    required=False),
         PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
+        PrivateAPI("torch._inductor.config.triton.cudagraph_capture_sizes", "capping the input sizes torch's "
+                   "cudagraph trees record graphs for", required=False),
         PrivateAPI("torch._dynamo.eval_frame.OptimizedModule", "recognising a network the user compiled before the "
                    "fit", required=False),
         PrivateAPI("torch.Tensor._is_view", "releasing a CUDA graph capture's autograd graph"),
@@ -439,6 +441,35 @@ def compilation_metrics() -> list[Any]:
         True
     """
     return list(_optional("torch._dynamo.utils.get_compilation_metrics", lambda: [])())
+
+
+def cap_cudagraph_sizes(sizes: Container[Any] | None) -> Callable[[], None]:
+    """Let torch's cudagraph trees record graphs only for the input sizes in ``sizes`` (``None``: every size);
+    return the function that puts the previous setting back.
+
+    Inductor compiles a dynamic shape once and records one CUDA graph per size it meets; a size it may not record
+    runs the same compiled code without a graph. Why private: the setting is inductor's
+    ``config.triton.cudagraph_capture_sizes``, read at every call of a compiled graph (``size in sizes``; the key
+    is the graph's integer inputs, the forward's and backward's apart). Without it every size records, after one
+    warning.
+
+    Example::
+
+        >>> restore = cap_cudagraph_sizes((8, 16))
+        >>> restore()
+    """
+    path = "torch._inductor.config.triton.cudagraph_capture_sizes"
+    try:
+        before = _get(path)
+    except TorchAPIChanged as err:
+        _warn_once(path, f"FuseCallback: {PRIVATE_APIS[path].why} is skipped for the rest of the run: {err}")
+        return lambda: None
+    torch._inductor.config.triton.cudagraph_capture_sizes = sizes
+
+    def restore() -> None:
+        torch._inductor.config.triton.cudagraph_capture_sizes = before
+
+    return restore
 
 
 def cudagraph_tree_stats(device_index: int) -> tuple[int, int]:

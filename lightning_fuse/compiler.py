@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_fuse import compat
@@ -38,6 +38,8 @@ PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 """torch.compile modes that record torch's own CUDA graphs, one per input shape."""
+TREE_SIZES = 32
+"""Input sizes torch's cudagraph trees may record graphs for in one fit (:class:`FirstSizes`): the first met."""
 LIMIT_ACTIONS = ("eager", "dynamic")
 RECOMPILE_LIMIT = 8
 """Compiles a region may make beyond its first before ``on_recompile_limit`` applies (the default)."""
@@ -51,6 +53,46 @@ TOLERANCES = {
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (5e-2, 5e-2),
 }
+
+
+class FirstSizes:
+    """The input sizes torch's cudagraph trees may record CUDA graphs for: the first ``sizes`` met, each kept.
+
+    Under a :data:`GRAPHING_MODES` mode, inductor records one graph per input size of a dynamic shape (a size met
+    again replays its graph). With lengths that vary without end, that is a recording at almost every step and
+    memory for every graph; a size past the first ones runs the same compiled code without a graph. Inductor asks
+    ``key in sizes`` at each call, the key being a compiled graph's integer inputs (``None``: it has none, one
+    graph), so each size counts once for the forward and once for the backward. Installed by
+    :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
+
+    Example::
+
+        >>> first = FirstSizes(sizes=1)
+        >>> [key in first for key in (64, (64, 8), 64, 96, None)]
+        [True, True, True, False, True]
+    """
+
+    def __init__(self, sizes: int = TREE_SIZES) -> None:
+        self.sizes = sizes
+        self.refused = 0
+        self._recorded: set[Any] = set()
+
+    def __contains__(self, key: Any) -> bool:
+        if key is None or key in self._recorded:
+            return True
+        if len(self._recorded) < 2 * self.sizes:
+            self._recorded.add(key)
+            return True
+        if not self.refused:
+            rank_zero_info(f"FuseCallback: torch's CUDA graphs were recorded for {self.sizes} input sizes, the most "
+                           "one fit records; new sizes run compiled, without a graph. Pad the lengths to a few "
+                           "sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
+        self.refused += 1
+        return False
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        # inductor keys its compile cache by its pickled config: the sizes met so far must not change the key
+        return FirstSizes, (self.sizes,)
 
 
 @dataclass
@@ -92,9 +134,6 @@ class RegionPolicy:
     on_recompile_limit: str = "eager"
     dynamic_sizes: set[tuple[int, int]] = field(default_factory=set)
     """The batch's ``(dim, size)`` pairs marked dynamic this step; carried onto region inputs."""
-    graph_shapes: int = 1
-    """Input shapes a region in a :data:`GRAPHING_MODES` mode may record graphs for, beyond ``recompile_limit``
-    (one per bucket with ``pad_buckets``); past them it runs eagerly."""
 
 
 class CompiledRegion:
@@ -131,7 +170,6 @@ class CompiledRegion:
         self._made_dynamic = False
         self._recompiles_allowed = policy.recompile_limit
         self._installed = False
-        self._graph_shapes: set[tuple] | None = set() if options.mode in GRAPHING_MODES else None
 
     @property
     def name(self) -> str:
@@ -158,7 +196,7 @@ class CompiledRegion:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.region.module
-        if self.fallback_reason is not None or self._past_graph_shapes(args, kwargs):
+        if self.fallback_reason is not None:
             return compat.call_uncompiled(module, *args, **kwargs)
         if self.policy.dynamic_sizes:
             mark_region_inputs((*args, *kwargs.values()), self.policy.dynamic_sizes)
@@ -166,22 +204,6 @@ class CompiledRegion:
         if self.policy.verify and mode not in self._verified and not forced_eager():
             return self._verified_call(mode, args, kwargs)
         return self._guarded_call(mode, args, kwargs)
-
-    def _past_graph_shapes(self, args: tuple, kwargs: dict) -> bool:
-        """torch's CUDA graphs record a graph per input shape: past the allowed shapes, fall back to eager."""
-        if self._graph_shapes is None or not (self.region.module.training and torch.is_grad_enabled()):
-            return False
-        leaves = compat.tree_leaves((args, kwargs))
-        self._graph_shapes.add(tuple(tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor)))
-        allowed = self.policy.graph_shapes + self.policy.recompile_limit
-        if len(self._graph_shapes) <= allowed:
-            return False
-        self.fall_back(
-            f"mode={self.options.mode!r} records one CUDA graph per input shape and it met {len(self._graph_shapes)} "
-            f"shapes (at most {allowed}: `recompile_limit` plus one per bucket). Pad the lengths to a few sizes with "
-            "`pad_buckets`, or use mode='default'"
-        )
-        return True
 
     def _guarded_call(self, mode: ModeKey, args: tuple, kwargs: dict) -> Any:
         module = self.region.module

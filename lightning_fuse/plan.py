@@ -29,7 +29,14 @@ import torch
 from torch import nn
 
 from lightning_fuse import compat
-from lightning_fuse.compiler import GRAPHING_MODES, CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
+from lightning_fuse.compiler import (
+    GRAPHING_MODES,
+    CompiledRegion,
+    CompileOptions,
+    FirstSizes,
+    RegionPolicy,
+    uncompile_regions,
+)
 from lightning_fuse.graphs import GraphedModule, graph_target, syncs_between_regions, syncs_when_compiled
 from lightning_fuse.regions import AUTO, Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
@@ -66,8 +73,7 @@ def fit_setting(options: FuseOptions, pl_module: pl.LightningModule, world_size:
     """What the fit's plans are built from: its regions, its network, the compile arguments, the device."""
     regions = resolve_regions(pl_module, options.targets, options.exclude)
     policy = RegionPolicy(verify=options.verify, recompile_limit=options.recompile_limit,
-                          on_recompile_limit=options.on_recompile_limit,
-                          graph_shapes=len(options.pad_buckets or [1]))  # fmt: skip
+                          on_recompile_limit=options.on_recompile_limit)  # fmt: skip
     compile_options = CompileOptions(backend=options.backend, fullgraph=options.fullgraph, dynamic=options.dynamic,
                                      options=dict(options.options) if options.options else None)  # fmt: skip
     return Setting(regions, graph_target(pl_module), compile_options, pl_module.device, policy=policy,
@@ -165,6 +171,8 @@ class Regions(Plan):
         self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead")
         self.records_graphs = graph or setting.options.mode in GRAPHING_MODES
         self.cudagraph_trees = setting.options.mode in GRAPHING_MODES and setting.device.type == "cuda"
+        self._tree_sizes = FirstSizes() if self.cudagraph_trees else None
+        self._restore_tree_sizes: Callable[[], None] | None = None
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
             options = replace(options, dynamic=False)
@@ -183,6 +191,8 @@ class Regions(Plan):
     def install(self) -> None:
         for runner in self._runners:
             runner.install()
+        if self._tree_sizes is not None and self._restore_tree_sizes is None:
+            self._restore_tree_sizes = compat.cap_cudagraph_sizes(self._tree_sizes)
         if self.graph is not None:
             self.graph.install()
             self.graph.capture_allowed = True
@@ -190,6 +200,9 @@ class Regions(Plan):
     def uninstall(self) -> None:
         if self.graph is not None:
             self.graph.uninstall()
+        if self._restore_tree_sizes is not None:
+            self._restore_tree_sizes()
+            self._restore_tree_sizes = None
         uncompile_regions(self._runners)
 
     def step_begin(self) -> None:
@@ -347,18 +360,20 @@ def candidates(setting: Setting) -> list[Plan]:
 
 
 def for_varying_shapes(plans: Sequence[Plan], buckets: int) -> list[Plan]:
-    """The plans that hold when the network's input shapes vary between steps: none that records CUDA graphs (one
-    per shape, re-recorded at every new length), unless the lengths are padded to ``buckets`` sizes (``0``: none),
-    whose graphs, one per bucket, are capped by :attr:`Setting.max_graphs`.
+    """The plans that hold when the network's input shapes vary between steps. A graph of FuseCallback's own is
+    captured for one shape, so those plans compete only where the lengths are padded to ``buckets`` sizes (``0``:
+    none; one graph per bucket, capped by :attr:`Setting.max_graphs`). torch's cudagraph trees compile the varying
+    dims once, as dynamic, and record a graph per size, replayed when that size comes again (the first
+    :data:`~lightning_fuse.compiler.TREE_SIZES`; later ones run compiled without a graph): they always compete.
 
     Example::
 
         >>> net = torch.nn.Linear(2, 2)
         >>> plans = candidates(Setting([], ("net", net), CompileOptions(), torch.device("cuda")))
         >>> [plan.name for plan in for_varying_shapes(plans, buckets=0)]
-        ['eager', 'compile']
+        ['eager', 'reduce-overhead', 'compile']
     """
-    return [plan for plan in plans if buckets or not plan.records_graphs]
+    return [plan for plan in plans if buckets or not plan.records_graphs or plan.cudagraph_trees]
 
 
 def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:

@@ -1,5 +1,7 @@
-"""Plans that crawl in training: shapes that vary keep graphs out of the search, a slow plan is dropped mid-epoch,
-and torch's own CUDA graphs cannot re-record without bound."""
+"""Plans that crawl in training: shapes that vary keep one-shape graphs out of the search, a slow plan is dropped
+mid-epoch, and torch's own CUDA graphs record for a bounded number of sizes."""
+
+import pickle
 
 import pytest
 import torch
@@ -9,7 +11,7 @@ import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.buckets import suggest_buckets
 from lightning_fuse.call_shapes import CallShapes
-from lightning_fuse.compiler import CompiledRegion, CompileOptions
+from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, FirstSizes
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
@@ -38,38 +40,47 @@ def test_the_shapes_of_the_first_calls_tell_which_dims_vary():
     assert suggest_buckets(shapes.sizes(1)) == [64, 128, 192, 256]  # multiples of 64 covering 64..200
 
 
-def test_with_varying_shapes_the_search_offers_no_graph_candidates_unless_lengths_are_bucketed():
+def test_with_varying_shapes_only_torch_graphs_per_size_compete_unless_lengths_are_bucketed():
     task = ToyTask()
     setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"), CUDA,
                       max_graphs=3)  # fmt: skip
     plans = candidates(setting)  # a (faked) CUDA device: every graph plan is a candidate
     assert GRAPH_PLANS <= {plan.name for plan in plans}
     assert {plan.name for plan in plans if plan.records_graphs} == GRAPH_PLANS
-    assert [plan.name for plan in for_varying_shapes(plans, buckets=0)] == ["eager", "regions", "compile"]
+    kept = ["eager", "reduce-overhead", "regions+trees", "regions", "compile"]  # trees: a graph per size
+    assert [plan.name for plan in for_varying_shapes(plans, buckets=0)] == kept
     assert for_varying_shapes(plans, buckets=3) == plans  # padded to 3 lengths: a graph per bucket, at most 3
     graphed = next(plan for plan in plans if plan.name == "regions+graph")
     assert graphed.graph.max_graphs == 3
 
 
-def test_torch_cuda_graphs_of_a_whole_network_stop_recording_past_the_allowed_shapes():
+def test_torch_cuda_graphs_record_for_the_first_sizes_met_and_later_sizes_run_compiled_without_one(capsys):
+    first = FirstSizes(sizes=2)  # 2 sizes: a forward's and a backward's key each
+    met = [key in first for key in (64, (64, 3), 96, (96, 3), 64, (96, 3))]
+    assert met == [True] * 6 and first.refused == 0
+    assert 128 not in first and (128, 3) not in first and first.refused == 2  # past the cap: no graph
+    assert None in first  # a graph without dynamic sizes is one graph: never refused
+    assert capsys.readouterr().err.count("recorded for 2 input sizes") <= 1
+    assert pickle.loads(pickle.dumps(first)).refused == 0  # inductor's cache key sees the cap, not the sizes met
+
+
+def test_a_plan_under_torch_graphs_caps_their_sizes_while_installed_and_gives_the_setting_back():
     task = ToyTask()
-    setting = Setting([], graph_target(task), CompileOptions(backend="eager"), torch.device("cpu"))
-    setting.policy.recompile_limit = 2
-    plan = Whole(setting, "reduce-overhead")  # on CPU the backend ignores the mode: the bookkeeping is the same
+    setting = Setting([], graph_target(task), CompileOptions(backend="eager"), CUDA)
+    plan = Whole(setting, "reduce-overhead")  # installing compiles nothing: a (faked) CUDA device is enough
+    before = torch._inductor.config.triton.cudagraph_capture_sizes
     plan.install()
-    setting.tracker.install()
     try:
-        with pytest.warns(UserWarning, match="records one CUDA graph per input shape and it met 4 shapes"):
-            for rows in range(2, 8):  # a new batch shape at every call
-                task.model(torch.randn(rows, 8)).sum().backward()
-        [runner] = plan.runners
-        assert "at most 3" in runner.fallback_reason and plan.failure.startswith("every region fell back")
-        compiles = setting.tracker.total_compiles
-        task.model(torch.randn(9, 8))  # past the cap: eager, nothing compiled or recorded
-        assert setting.tracker.total_compiles == compiles
+        capped = torch._inductor.config.triton.cudagraph_capture_sizes
+        assert isinstance(capped, FirstSizes) and capped.sizes == TREE_SIZES
+        plan.install()  # installed again (after an eager reference step): one cap, one setting to give back
     finally:
         plan.uninstall()
-        setting.tracker.remove()
+    assert torch._inductor.config.triton.cudagraph_capture_sizes is before
+    compile_only = Whole(setting, None)
+    compile_only.install()
+    assert torch._inductor.config.triton.cudagraph_capture_sizes is before  # no torch graphs: nothing capped
+    compile_only.uninstall()
 
 
 # ---------------------------------------------------------------------------------------------- the running guard
