@@ -79,7 +79,8 @@ class FuseCallback(Callback):
             marks nothing; or a mapping such as ``{"input_ids": [0, 1]}``.
         verify: Compare each region's first compiled output with eager; a region that disagrees runs eagerly.
         cache_dir: Compile cache root; ``None`` uses ``~/.cache/lightning_fuse``, ``False`` disables persistence.
-        recompile_limit: Recompiles a region may make before ``on_recompile_limit`` applies.
+        recompile_limit: Recompiles a region may make (counted per code object, as torch counts: a region whose
+            code breaks into several frames may recompile each) before ``on_recompile_limit`` applies.
         on_recompile_limit: ``"eager"`` or ``"dynamic"`` (compile it with ``dynamic=True`` once, then eager).
         warmup_steps: Steps of the plan kept out of the timing after it is installed (``None``: 1, or 3 with a graph).
         eager_steps: At most this many timed eager reference steps per epoch; ``0`` turns the measurement off.

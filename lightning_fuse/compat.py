@@ -415,6 +415,26 @@ def _compile_callback_handler() -> Any:
     return handler
 
 
+def compiled_code(callback_args: Any) -> str:
+    """Which code object a dynamo compile was for, from the argument its compile callbacks get: dynamo's compile
+    id, "frame/compile" ("3/1": the second compile of frame 3; "!0/3/1" under compiled autograd), less its compile.
+
+    Why private: the id's layout is dynamo's (``CompileId.__str__``), handed to the callbacks of
+    :func:`register_compile_callbacks` as ``CallbackArgs.compile_id``. An id laid out otherwise reads as one code
+    object for every compile (``""``).
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> compiled_code(SimpleNamespace(compile_id="3/1")), compiled_code(SimpleNamespace(compile_id="!0/3/1"))
+        ('3', '!0/3')
+        >>> compiled_code(None)
+        ''
+    """
+    compile_id = getattr(callback_args, "compile_id", None)
+    return str(compile_id).rpartition("/")[0] if compile_id is not None else ""
+
+
 def dynamo_counters() -> Mapping[str, Counter]:
     """Dynamo's process-wide event counters (``counters["graph_break"]``, ``counters["inductor"]``, ...).
 

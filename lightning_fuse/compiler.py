@@ -248,19 +248,20 @@ class CompiledRegion:
         if stats.recompiles and not self._warned_recompile:
             self._warned_recompile = True
             warn_recompile(self.name, stats)
-        if stats.recompiles <= self._recompiles_allowed:
+        recompiles = stats.most_recompiles_of_one_code  # as torch's own limit counts: per code object
+        if recompiles <= self._recompiles_allowed:
             return
         if self.policy.on_recompile_limit == "dynamic" and not self._made_dynamic:
             self._made_dynamic = True
-            self._recompiles_allowed = stats.recompiles + 1 + self.policy.recompile_limit  # the dynamic one is free
+            self._recompiles_allowed = recompiles + 1 + self.policy.recompile_limit  # the dynamic one is free
             self._compiled = torch.compile(compat.plain_call(self.region.module), **self.options.kwargs(dynamic=True))
             rank_zero_warn(
-                f"FuseCallback: region {self.name!r} recompiled {stats.recompiles} times (limit "
+                f"FuseCallback: region {self.name!r} recompiled {recompiles} times (limit "
                 f"{self.policy.recompile_limit}); compiling it with dynamic=True from now on."
             )
             return
         self.fall_back(
-            f"it recompiled {stats.recompiles} times (recompile_limit={self.policy.recompile_limit}); last reason: "
+            f"it recompiled {recompiles} times (recompile_limit={self.policy.recompile_limit}); last reason: "
             f"{stats.recompile_reasons[-1] if stats.recompile_reasons else 'unknown'}. Declare varying dims with "
             "`dynamic_dims` or raise `recompile_limit`."
         )

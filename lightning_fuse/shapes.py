@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fuse.compat import (
     compilation_metrics,
+    compiled_code,
     dynamo_counters,
     maybe_mark_dynamic,
     register_compile_callbacks,
@@ -227,17 +228,25 @@ class RegionCompiles:
 
     Example::
 
-        >>> RegionCompiles().recompiles
-        0
+        >>> stats = RegionCompiles(recompiles_by_code=Counter({"0": 2, "3": 1}))
+        >>> stats.most_recompiles_of_one_code
+        2
     """
 
     compiles: int = 0
     recompiles: int = 0
+    recompiles_by_code: Counter[str] = field(default_factory=Counter)
+    """Recompiles per code object (dynamo's frame): a region whose code breaks into several frames recompiles each
+    for a new kind of input, as torch's own limit (per code object) allows."""
     graph_breaks: int = 0
     compile_s: float = 0.0
     recompile_reasons: list[str] = field(default_factory=list)
     break_reasons: list[str] = field(default_factory=list)
     modes: set[ModeKey] = field(default_factory=set)
+
+    @property
+    def most_recompiles_of_one_code(self) -> int:
+        return max(self.recompiles_by_code.values(), default=0)
 
 
 class CompileTracker:
@@ -309,7 +318,7 @@ class CompileTracker:
         self._started = time.perf_counter()
         self._breaks_before = Counter(dynamo_counters()["graph_break"])
 
-    def _on_end(self, *_: Any) -> None:
+    def _on_end(self, callback_args: Any = None) -> None:
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
         self._started = None
         self.total_s += elapsed
@@ -326,6 +335,7 @@ class CompileTracker:
         stats.compiles += 1
         if mode_seen:
             stats.recompiles += 1
+            stats.recompiles_by_code[compiled_code(callback_args)] += 1
 
     def _latest_recompile_reasons(self) -> list[str]:
         metrics = compilation_metrics()

@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
-from lightning_fuse.regions import resolve_regions
+from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
 from tests.toy import Net
 
@@ -134,3 +134,40 @@ def test_recompile_limit_dynamic_recompiles_once_with_dynamic_shapes():
         torch._dynamo.config.automatic_dynamic_shapes = True
     assert runners[0].is_compiled
     tracker.remove()
+
+
+class TwoFrames(nn.Module):
+    """A network whose code breaks into two frames: a new input size recompiles each of them once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_the_recompile_limit_counts_per_code_object_as_torch_does():
+    net = TwoFrames()
+    tracker = CompileTracker()
+    tracker.install()
+    runner = CompiledRegion(Region("net", net), CompileOptions(backend="eager"), tracker,
+                            RegionPolicy(recompile_limit=2, verify=False))  # fmt: skip
+    runner.install()
+    torch._dynamo.config.automatic_dynamic_shapes = False  # one recompile of each frame per new batch size
+    try:
+        with pytest.warns(UserWarning, match="recompiled"):
+            for batch in (2, 3, 4):
+                net(torch.randn(batch, 8))
+        stats = tracker.stats(runner.name)
+        assert stats.recompiles == 4 and stats.most_recompiles_of_one_code == 2  # 2 frames x 2 new sizes
+        assert runner.is_compiled, "within the limit for each code object"
+        with pytest.warns(UserWarning, match="recompile_limit=2"):
+            net(torch.randn(5, 8))
+        assert not runner.is_compiled and stats.most_recompiles_of_one_code == 3
+    finally:
+        torch._dynamo.config.automatic_dynamic_shapes = True
+        runner.uninstall()
+        tracker.remove()
