@@ -81,7 +81,8 @@ class FuseCallback(Callback):
         cache_dir: Compile cache root; ``None`` uses ``~/.cache/lightning_fuse``, ``False`` disables persistence.
         recompile_limit: Recompiles a region may make (counted per code object, as torch counts: a region whose
             code breaks into several frames may recompile each) before ``on_recompile_limit`` applies.
-        on_recompile_limit: ``"eager"`` or ``"dynamic"`` (compile it with ``dynamic=True`` once, then eager).
+        on_recompile_limit: ``"eager"`` (new kinds of input run eagerly, those compiled for still run compiled) or
+            ``"dynamic"`` (compile it with ``dynamic=True`` once, then as ``"eager"``).
         warmup_steps: Steps of the plan kept out of the timing after it is installed (``None``: 1, or 3 with a graph).
         eager_steps: At most this many timed eager reference steps per epoch; ``0`` turns the measurement off.
         reference_budget: The share of the fit's training time the eager reference may cost (default 2%).

@@ -21,7 +21,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +164,9 @@ class CompiledRegion:
         self.tracker = tracker
         self.policy = policy
         self.fallback_reason: str | None = None
+        self.closed_reason: str | None = None
+        """Why the region compiles nothing new: past ``recompile_limit`` its compiled code still runs the kinds of
+        input it was compiled for, and a new kind runs eagerly (torch's ``eager_on_recompile`` stance)."""
         self._compiled = torch.compile(compat.plain_call(region.module), **options.kwargs())
         self._verified: set[ModeKey] = set()
         self._warned_recompile = False
@@ -209,7 +212,7 @@ class CompiledRegion:
         module = self.region.module
         before = self.tracker.total_compiles
         try:
-            with self.tracker.calling(self.name, mode):
+            with self.tracker.calling(self.name, mode), self._stance():
                 out = self._compiled(*args, **kwargs)
         except compat.control_flow_errors():
             raise  # torch's own signal through user code (checkpointing's early stop), not a failure
@@ -260,11 +263,17 @@ class CompiledRegion:
                 f"{self.policy.recompile_limit}); compiling it with dynamic=True from now on."
             )
             return
-        self.fall_back(
-            f"it recompiled {recompiles} times (recompile_limit={self.policy.recompile_limit}); last reason: "
-            f"{stats.recompile_reasons[-1] if stats.recompile_reasons else 'unknown'}. Declare varying dims with "
-            "`dynamic_dims` or raise `recompile_limit`."
-        )
+        if self.closed_reason is None:
+            last = stats.recompile_reasons[-1] if stats.recompile_reasons else "unknown"
+            self.closed_reason = f"it recompiled {recompiles} times (recompile_limit={self.policy.recompile_limit})"
+            rank_zero_warn(
+                f"FuseCallback: region {self.name!r} {self.closed_reason}; from now on it runs compiled for the "
+                f"inputs it was compiled for and eagerly for new kinds. Last reason: {last}. Declare varying dims "
+                "with `dynamic_dims` or raise `recompile_limit`."
+            )
+
+    def _stance(self) -> AbstractContextManager[Any]:
+        return torch.compiler.set_stance("eager_on_recompile") if self.closed_reason else nullcontext()
 
 
 def uncompile_regions(runners: Sequence[CompiledRegion]) -> None:

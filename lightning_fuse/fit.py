@@ -293,6 +293,9 @@ class FitState:
         parts += [graph.describe() for graph in self.optimizer_graphs if graph is not None]
         fallbacks = {**self.fallbacks, **self.plan_fallbacks()}
         parts += [f"region {name}: fell back ({why})" for name, why in fallbacks.items()]
+        runners = self.plan.runners if self.plan is not None else []
+        parts += [f"region {runner.name}: new kinds of input ran eagerly ({runner.closed_reason})"
+                  for runner in runners if runner.closed_reason and not runner.fallback_reason]  # fmt: skip
         return "; ".join(parts)
 
     def trees_recorded(self) -> tuple[int, int] | None:

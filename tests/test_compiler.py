@@ -105,7 +105,7 @@ def test_a_bug_in_user_code_is_raised_not_hidden():
     tracker.remove()
 
 
-def test_recompile_storm_is_bounded_then_the_region_runs_eagerly():
+def test_past_the_recompile_limit_a_region_runs_new_kinds_of_input_eagerly_and_known_ones_compiled():
     net = Net()
     runners, tracker = compiled(net, recompile_limit=2, verify=False)
     torch._dynamo.config.automatic_dynamic_shapes = False  # force one recompile per new batch size
@@ -113,13 +113,17 @@ def test_recompile_storm_is_bounded_then_the_region_runs_eagerly():
         with pytest.warns(UserWarning) as record:
             for batch in range(2, 9):
                 net(torch.randn(batch, 8))
+        messages = " ".join(str(w.message) for w in record)
+        assert "recompiled" in messages and "recompile_limit=2" in messages and "eagerly for new kinds" in messages
+        assert runners[0].is_compiled and "recompile_limit=2" in runners[0].closed_reason
+        assert tracker.stats("blocks.0").recompiles == 3  # the limit, plus the one that crossed it
+        compiles = tracker.stats("blocks.0").compiles
+        net(torch.randn(3, 8))  # a size it compiled for: its compiled code
+        net(torch.randn(40, 8))  # a new size: eager, nothing compiled
+        assert tracker.stats("blocks.0").compiles == compiles
     finally:
         torch._dynamo.config.automatic_dynamic_shapes = True
-    messages = " ".join(str(w.message) for w in record)
-    assert "recompiled" in messages and "recompile_limit=2" in messages
-    assert not runners[0].is_compiled
-    assert tracker.stats("blocks.0").recompiles == 3  # the limit, plus the one that crossed it
-    tracker.remove()
+        tracker.remove()
 
 
 def test_recompile_limit_dynamic_recompiles_once_with_dynamic_shapes():
@@ -166,7 +170,7 @@ def test_the_recompile_limit_counts_per_code_object_as_torch_does():
         assert runner.is_compiled, "within the limit for each code object"
         with pytest.warns(UserWarning, match="recompile_limit=2"):
             net(torch.randn(5, 8))
-        assert not runner.is_compiled and stats.most_recompiles_of_one_code == 3
+        assert runner.closed_reason and stats.most_recompiles_of_one_code == 3
     finally:
         torch._dynamo.config.automatic_dynamic_shapes = True
         runner.uninstall()

@@ -329,7 +329,7 @@ def test_a_recompile_storm_is_bounded_within_a_fit(action):
     assert second_epoch == first_epoch, f"the same sizes again must not compile: {stats}"
     if action == "eager":
         assert messages(record, "recompile_limit=2")
-        assert probe.compiled_per_step[-1] != BLOCKS
+        assert any(runner.closed_reason for runner in fuse.plan.runners)  # new sizes ran eagerly there
     else:
         assert messages(record, "compiling it with dynamic=True")
         assert probe.compiled_per_step[-1] == BLOCKS
