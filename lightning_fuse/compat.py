@@ -415,6 +415,26 @@ def _compile_callback_handler() -> Any:
     return handler
 
 
+def compile_trigger(callback_args: Any) -> str:
+    """What a compile callback was called for: ``"DYNAMO"`` (a frame traced and compiled), ``"LAZY_BACKWARD"`` (the
+    backward of a compiled graph, compiled at its first call), ``"CUDAGRAPH_RECORDING"`` (torch's cudagraph trees
+    recording a graph), or another of torch's ``CallbackTrigger`` names.
+
+    Why private: the trigger is ``CallbackArgs.callback_trigger``, handed to the callbacks of
+    :func:`register_compile_callbacks`. Without it every callback reads as ``"DYNAMO"``.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> from enum import Enum
+        >>> compile_trigger(SimpleNamespace(callback_trigger=Enum("T", "LAZY_BACKWARD").LAZY_BACKWARD))
+        'LAZY_BACKWARD'
+        >>> compile_trigger(None)
+        'DYNAMO'
+    """
+    return getattr(getattr(callback_args, "callback_trigger", None), "name", "DYNAMO")
+
+
 def compiled_code(callback_args: Any) -> str:
     """Which code object a dynamo compile was for, from the argument its compile callbacks get: dynamo's compile
     id, "frame/compile" ("3/1": the second compile of frame 3; "!0/3/1" under compiled autograd), less its compile.

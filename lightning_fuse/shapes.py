@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fuse.compat import (
     compilation_metrics,
+    compile_trigger,
     compiled_code,
     dynamo_counters,
     maybe_mark_dynamic,
@@ -254,7 +255,8 @@ class CompileTracker:
 
     Compiles during a region's first call in a mode (train/eval, grad, inference) are expected, however many frames
     that call compiles; any compile in a later call under a known mode is a recompile, with dynamo's
-    ``recompile_reason``.
+    ``recompile_reason``. A compiled graph's backward, compiled at its first call, adds its time only; a CUDA graph
+    that torch's cudagraph trees record (their callbacks fire too) is no compile at all.
 
     Example::
 
@@ -321,11 +323,14 @@ class CompileTracker:
     def _on_end(self, callback_args: Any = None) -> None:
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
         self._started = None
+        trigger = compile_trigger(callback_args)
+        if trigger == "CUDAGRAPH_RECORDING":  # torch's cudagraph trees recording a graph: no compile
+            return
         self.total_s += elapsed
-        self.total_compiles += 1
-        if self._current is None:  # a lazy backward compile or code outside any region: time only
+        if trigger != "DYNAMO" or self._current is None:  # a lazy backward compile, code outside any region: time
             self.stats(self.OUTSIDE).compile_s += elapsed
             return
+        self.total_compiles += 1
         name, mode_seen = self._current
         stats = self.stats(name)
         stats.compile_s += elapsed

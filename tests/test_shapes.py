@@ -1,6 +1,8 @@
 """Dynamic dims: partial last batches and varying lengths compile once, not once per shape."""
 
 import dataclasses
+from enum import Enum
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -9,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.shapes import DynamicDims
+from lightning_fuse.shapes import CompileTracker, DynamicDims
 from tests.toy import ToyTask, trainer
 
 
@@ -165,3 +167,23 @@ def test_graph_breaks_are_counted_per_region_logged_and_explained(caplog):
     assert stats.graph_breaks >= 1 and stats.break_reasons
     assert fuse.history[0]["fuse/graph_breaks"] >= 1
     assert "model.blocks.0 graph break" in caplog.text and "fix:" in caplog.text
+
+
+def test_only_dynamo_compiles_count_a_lazy_backward_adds_time_and_a_cudagraph_recording_nothing():
+    trigger = Enum("CallbackTrigger", "DYNAMO LAZY_BACKWARD CUDAGRAPH_RECORDING")
+    tracker = CompileTracker()
+
+    def callback(kind: str, compile_id: str = "0/1") -> None:
+        args = SimpleNamespace(callback_trigger=trigger[kind], compile_id=compile_id)
+        tracker._on_start(args)
+        tracker._on_end(args)
+
+    with tracker.calling("block", (True, True, False)):
+        callback("DYNAMO", "0/0")  # the region's first call in this mode: a compile
+    for _ in range(3):  # the trees record a graph for each new size, in the region's later calls
+        with tracker.calling("block", (True, True, False)):
+            callback("CUDAGRAPH_RECORDING")
+    callback("LAZY_BACKWARD")  # the backward, compiled at its first call, outside any region call
+    stats = tracker.stats("block")
+    assert (stats.compiles, stats.recompiles, tracker.total_compiles) == (1, 0, 1)
+    assert tracker.stats(CompileTracker.OUTSIDE).compiles == 0
