@@ -484,8 +484,8 @@ def compilation_metrics() -> list[Any]:
 
 
 def cap_cudagraph_sizes(sizes: Container[Any] | None) -> Callable[[], None]:
-    """Let torch's cudagraph trees record graphs only for the input sizes in ``sizes`` (``None``: every size);
-    return the function that puts the previous setting back.
+    """Let torch's cudagraph trees record graphs only for the input sizes in ``sizes`` (``None``: every size),
+    unless the user set sizes of their own; return the function that puts the previous setting back.
 
     Inductor compiles a dynamic shape once and records one CUDA graph per size it meets; a size it may not record
     runs the same compiled code without a graph. Why private: the setting is inductor's
@@ -503,6 +503,8 @@ def cap_cudagraph_sizes(sizes: Container[Any] | None) -> Callable[[], None]:
         before = _get(path)
     except TorchAPIChanged as err:
         _warn_once(path, f"FuseCallback: {PRIVATE_APIS[path].why} is skipped for the rest of the run: {err}")
+        return lambda: None
+    if before is not None:  # the user's own choice of sizes stands
         return lambda: None
     torch._inductor.config.triton.cudagraph_capture_sizes = sizes
 

@@ -163,8 +163,7 @@ def test_the_recompile_limit_counts_per_code_object_as_torch_does():
     torch._dynamo.config.automatic_dynamic_shapes = False  # one recompile of each frame per new batch size
     try:
         with pytest.warns(UserWarning, match="recompiled"):
-            for batch in (2, 3, 4):
-                net(torch.randn(batch, 8))
+            [net(torch.randn(batch, 8)) for batch in (2, 3, 4)]
         stats = tracker.stats(runner.name)
         assert stats.recompiles == 4 and stats.most_recompiles_of_one_code == 2  # 2 frames x 2 new sizes
         assert runner.is_compiled, "within the limit for each code object"
