@@ -96,11 +96,9 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._inductor.config", "checking inductor options before fit", required=False),
         PrivateAPI("torch._dynamo.utils.counters", "counting graph breaks and cache hits", required=False),
         PrivateAPI("torch._dynamo.utils.get_compilation_metrics", "reading recompile reasons", required=False),
-        PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting the CUDA graphs of torch's cudagraph trees",
-                   required=False),
+        PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting cudagraph trees' graphs", required=False),
         PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
-        PrivateAPI("torch._inductor.config.triton.cudagraph_capture_sizes", "capping the input sizes torch's "
-                   "cudagraph trees record graphs for", required=False),
+        PrivateAPI("torch._inductor.config.triton.cudagraph_capture_sizes", "capping graph sizes", required=False),
         PrivateAPI("torch._dynamo.eval_frame.OptimizedModule", "recognising a network the user compiled before the "
                    "fit", required=False),
         PrivateAPI("torch.Tensor._is_view", "releasing a CUDA graph capture's autograd graph"),
@@ -415,44 +413,29 @@ def _compile_callback_handler() -> Any:
     return handler
 
 
-def compile_trigger(callback_args: Any) -> str:
-    """What a compile callback was called for: ``"DYNAMO"`` (a frame traced and compiled), ``"LAZY_BACKWARD"`` (the
-    backward of a compiled graph, compiled at its first call), ``"CUDAGRAPH_RECORDING"`` (torch's cudagraph trees
-    recording a graph), or another of torch's ``CallbackTrigger`` names.
+def compile_event(callback_args: Any) -> tuple[str, str]:
+    """What a dynamo compile callback was called for, and the code object it concerns.
 
-    Why private: the trigger is ``CallbackArgs.callback_trigger``, handed to the callbacks of
-    :func:`register_compile_callbacks`. Without it every callback reads as ``"DYNAMO"``.
+    The first is the trigger's name: ``"DYNAMO"`` (a frame traced and compiled), ``"LAZY_BACKWARD"`` (a compiled
+    graph's backward, compiled at its first call), ``"CUDAGRAPH_RECORDING"`` (torch's cudagraph trees recording a
+    graph), or another of torch's ``CallbackTrigger`` names. The second is dynamo's compile id less its compile
+    count: "3/1" (the second compile of frame 3) gives "3", "!0/3/1" (under compiled autograd) "!0/3".
+
+    Why private: both come in the ``CallbackArgs`` handed to the callbacks of :func:`register_compile_callbacks`,
+    the id laid out by dynamo's ``CompileId.__str__``. Without them a callback reads as ``("DYNAMO", "")``: a
+    compile, and one code object for all.
 
     Example::
 
         >>> from types import SimpleNamespace
         >>> from enum import Enum
-        >>> compile_trigger(SimpleNamespace(callback_trigger=Enum("T", "LAZY_BACKWARD").LAZY_BACKWARD))
-        'LAZY_BACKWARD'
-        >>> compile_trigger(None)
-        'DYNAMO'
+        >>> compile_event(SimpleNamespace(callback_trigger=Enum("T", "LAZY_BACKWARD").LAZY_BACKWARD, compile_id="3/1"))
+        ('LAZY_BACKWARD', '3')
+        >>> compile_event(SimpleNamespace(compile_id="!0/3/1")), compile_event(None)
+        (('DYNAMO', '!0/3'), ('DYNAMO', ''))
     """
-    return getattr(getattr(callback_args, "callback_trigger", None), "name", "DYNAMO")
-
-
-def compiled_code(callback_args: Any) -> str:
-    """Which code object a dynamo compile was for, from the argument its compile callbacks get: dynamo's compile
-    id, "frame/compile" ("3/1": the second compile of frame 3; "!0/3/1" under compiled autograd), less its compile.
-
-    Why private: the id's layout is dynamo's (``CompileId.__str__``), handed to the callbacks of
-    :func:`register_compile_callbacks` as ``CallbackArgs.compile_id``. An id laid out otherwise reads as one code
-    object for every compile (``""``).
-
-    Example::
-
-        >>> from types import SimpleNamespace
-        >>> compiled_code(SimpleNamespace(compile_id="3/1")), compiled_code(SimpleNamespace(compile_id="!0/3/1"))
-        ('3', '!0/3')
-        >>> compiled_code(None)
-        ''
-    """
-    compile_id = getattr(callback_args, "compile_id", None)
-    return str(compile_id).rpartition("/")[0] if compile_id is not None else ""
+    trigger = getattr(getattr(callback_args, "callback_trigger", None), "name", "DYNAMO")
+    return trigger, str(getattr(callback_args, "compile_id", "")).rpartition("/")[0]
 
 
 def dynamo_counters() -> Mapping[str, Counter]:
@@ -483,9 +466,9 @@ def compilation_metrics() -> list[Any]:
     return list(_optional("torch._dynamo.utils.get_compilation_metrics", lambda: [])())
 
 
-def cap_cudagraph_sizes(sizes: Container[Any] | None) -> Callable[[], None]:
-    """Let torch's cudagraph trees record graphs only for the input sizes in ``sizes`` (``None``: every size),
-    unless the user set sizes of their own; return the function that puts the previous setting back.
+def cap_cudagraph_sizes(sizes: Container[Any]) -> Callable[[], None]:
+    """Let torch's cudagraph trees record graphs only for the input sizes in ``sizes``, unless the user set sizes
+    of their own; return the function that puts the setting back.
 
     Inductor compiles a dynamic shape once and records one CUDA graph per size it meets; a size it may not record
     runs the same compiled code without a graph. Why private: the setting is inductor's
@@ -498,20 +481,10 @@ def cap_cudagraph_sizes(sizes: Container[Any] | None) -> Callable[[], None]:
         >>> restore = cap_cudagraph_sizes((8, 16))
         >>> restore()
     """
-    path = "torch._inductor.config.triton.cudagraph_capture_sizes"
-    try:
-        before = _get(path)
-    except TorchAPIChanged as err:
-        _warn_once(path, f"FuseCallback: {PRIVATE_APIS[path].why} is skipped for the rest of the run: {err}")
-        return lambda: None
-    if before is not None:  # the user's own choice of sizes stands
-        return lambda: None
+    if _optional("torch._inductor.config.triton.cudagraph_capture_sizes", ...) is not None:  # ...: torch lacks it
+        return lambda: None  # torch lacks the setting, or the user's own sizes stand
     torch._inductor.config.triton.cudagraph_capture_sizes = sizes
-
-    def restore() -> None:
-        torch._inductor.config.triton.cudagraph_capture_sizes = before
-
-    return restore
+    return lambda: setattr(torch._inductor.config.triton, "cudagraph_capture_sizes", None)
 
 
 def cudagraph_tree_stats(device_index: int) -> tuple[int, int]:
@@ -711,10 +684,8 @@ def fsdp_wrapped_module(module: nn.Module) -> nn.Module:
         return module
     inner = getattr(module, "_fsdp_wrapped_module", None)
     if not isinstance(inner, nn.Module):
-        raise TorchAPIChanged(
-            "FullyShardedDataParallel._fsdp_wrapped_module", "compiling the module inside an FSDP wrapper",
-            "keeps the wrapped module elsewhere",
-        )  # fmt: skip
+        raise TorchAPIChanged("FullyShardedDataParallel._fsdp_wrapped_module",
+                              "compiling the module inside an FSDP wrapper", "keeps the wrapped module elsewhere")
     return inner
 
 

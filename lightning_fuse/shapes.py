@@ -27,8 +27,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fuse.compat import (
     compilation_metrics,
-    compile_trigger,
-    compiled_code,
+    compile_event,
     dynamo_counters,
     maybe_mark_dynamic,
     register_compile_callbacks,
@@ -323,7 +322,7 @@ class CompileTracker:
     def _on_end(self, callback_args: Any = None) -> None:
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
         self._started = None
-        trigger = compile_trigger(callback_args)
+        trigger, code = compile_event(callback_args)
         if trigger == "CUDAGRAPH_RECORDING":  # torch's cudagraph trees recording a graph: no compile
             return
         self.total_s += elapsed
@@ -340,7 +339,7 @@ class CompileTracker:
         stats.compiles += 1
         if mode_seen:
             stats.recompiles += 1
-            stats.recompiles_by_code[compiled_code(callback_args)] += 1
+            stats.recompiles_by_code[code] += 1
 
     def _latest_recompile_reasons(self) -> list[str]:
         metrics = compilation_metrics()
