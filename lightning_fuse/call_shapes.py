@@ -1,4 +1,5 @@
-"""The network's input shapes over the fit's first steps: which dims vary between its training calls.
+"""The network's input shapes over the fit's first steps: which dims vary between its training calls, and the
+attention kernel that holds over lengths that vary.
 
 The plan is chosen by measurement on one recorded call, but it must hold for every batch. Where each batch has its
 own sequence length, a CUDA graph (shape-specific: one graph recorded per length) and a static compile (one
@@ -13,6 +14,9 @@ Example::
     ...     shapes.add((), {"input_ids": torch.zeros(2, length, dtype=torch.long), "flag": True})
     >>> shapes.varies, shapes.varying_dims, shapes.sizes(1)
     (True, {1}, [70, 130, 250])
+
+Where they vary, :class:`NoCudnnAttention` keeps cuDNN's attention out of the plan's steps: it builds a plan of its
+own for every new length.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_fuse import compat
 
@@ -77,3 +82,60 @@ class CallShapes:
                 if a is not None and b is not None and len(a) == len(b):
                     varying.setdefault(leaf, set()).update(dim for dim, (x, y) in enumerate(zip(a, b)) if x != y)
         return {leaf: dims for leaf, dims in varying.items() if dims}
+
+
+class NoCudnnAttention:
+    """While :attr:`enabled`, ``scaled_dot_product_attention`` leaves cuDNN's attention out, for lengths that vary.
+
+    On Hopper and Blackwell GPUs torch tries cuDNN's attention first for fp16 and bf16 calls. cuDNN builds an
+    execution plan for each new problem shape (batch, heads, lengths) and caches it: tens of milliseconds of host
+    time, for the forward and again for the backward. Where each batch has its own length, that is a build at
+    nearly every step, in eager and compiled code alike (inductor calls the same kernel). Flash and memory-efficient
+    attention take any length. Once :meth:`apply` is called (a CUDA fit whose first steps' lengths vary, without
+    ``pad_buckets``), FuseCallback turns cuDNN attention off for the steps its plan runs and for the plan search,
+    through torch's public ``torch.backends.cuda.enable_cudnn_sdp``; eager reference steps run with the user's
+    setting, so the reference costs what their own eager step costs. An ``sdpa_kernel`` context in the model's code
+    still decides inside it.
+
+    Example::
+
+        >>> attention = NoCudnnAttention()
+        >>> attention.enabled = True; torch.backends.cuda.cudnn_sdp_enabled()  # not applied: nothing changes
+        True
+        >>> attention.apply(); attention.enabled = True; torch.backends.cuda.cudnn_sdp_enabled()
+        False
+        >>> attention.restore(); torch.backends.cuda.cudnn_sdp_enabled()
+        True
+    """
+
+    def __init__(self) -> None:
+        self.applies = False
+        self._user_setting = True
+
+    def apply(self) -> None:
+        """From now on, :attr:`enabled` decides (where the user left cuDNN attention on); one line says so."""
+        self._user_setting = torch.backends.cuda.cudnn_sdp_enabled()
+        self.applies = self._user_setting
+        if self.applies:
+            rank_zero_info(
+                "FuseCallback: lengths vary from step to step, and cuDNN attention (torch's first choice for fp16/bf16 "
+                "attention on recent GPUs) builds a plan for each new length: the steps FuseCallback runs use flash "
+                "or memory-efficient attention instead; its eager reference steps keep your setting. Pad the lengths "
+                "to a few sizes (pad_buckets) to keep cuDNN attention."
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether cuDNN attention is off now."""
+        return self.applies and not torch.backends.cuda.cudnn_sdp_enabled()
+
+    @enabled.setter
+    def enabled(self, off: bool) -> None:
+        if self.applies:
+            torch.backends.cuda.enable_cudnn_sdp(not off)
+
+    def restore(self) -> None:
+        """The user's setting back, for good."""
+        if self.applies:
+            torch.backends.cuda.enable_cudnn_sdp(self._user_setting)
+            self.applies = False

@@ -48,7 +48,7 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
     the optimizers' captured updates where the plan runs compiled."""
     fit.stop_recording()
     _hold_over_varying_shapes(fit)
-    fit.no_cache.enabled = True  # the candidates, eager's trial too, run as the plan will
+    fit.no_cache.enabled = fit.attention.enabled = True  # the candidates, eager's trial too, run as the plan will
     if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
         # Dynamo traces each parameter with its .grad: FSDP's bf16 grads left by the eager steps made every region
         # fall back ("grad_dtype 'BFloat16'"). Lightning would set them to None after this step's forward anyway.
@@ -123,9 +123,10 @@ def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
 
 
 def _hold_over_varying_shapes(fit: FitState) -> None:
-    """Where the shapes recorded before the plan search vary, those dims are marked dynamic from now on and only
-    the candidates that hold over them compete (no graph of FuseCallback's own without ``pad_buckets``); one line
-    says so."""
+    """Where the shapes recorded before the plan search vary, those dims are marked dynamic from now on, only the
+    candidates that hold over them compete (no graph of FuseCallback's own without ``pad_buckets``), and on CUDA
+    without ``pad_buckets`` the plan's steps leave cuDNN attention out (:class:`~lightning_fuse.call_shapes.
+    NoCudnnAttention`); a line says each."""
     if not fit.shapes.varies:
         return
     fit.varying_dims = fit.shapes.varying_dims
@@ -136,6 +137,8 @@ def _hold_over_varying_shapes(fit: FitState) -> None:
         plan.release()
     fit.candidates = kept
     rank_zero_info(varying_shapes_note(fit.shapes, [plan.name for plan in left_out], buckets))
+    if fit.setting.device.type == "cuda" and not buckets:
+        fit.attention.apply()
 
 
 def varying_shapes_note(shapes: CallShapes, left_out: list[str], buckets: int) -> str:

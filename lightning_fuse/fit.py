@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_fuse import compat, gpu
-from lightning_fuse.call_shapes import CallShapes
+from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.compiler import plain_eager
 from lightning_fuse.plan import Plan, Setting
 from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
@@ -96,6 +96,8 @@ class FitState:
     """The shapes of the network's training calls before the plan was chosen."""
     varying_dims: set[int] = field(default_factory=set)
     """The dims those shapes varied in: marked dynamic on every batch once the plan is chosen."""
+    attention: NoCudnnAttention = field(default_factory=NoCudnnAttention)
+    """cuDNN attention off in the plan's steps, where the lengths vary."""
     pace: RunningGuard = field(default_factory=RunningGuard)
     profiles: dict[str, ProfileWindow] = field(default_factory=dict)
     profile: ProfileWindow | None = None
@@ -195,6 +197,7 @@ class FitState:
         self.nominal_batch = max(self.nominal_batch, size)
         eager = self.plan is None or self.schedule.is_eager(self.steps)
         self.no_cache.enabled = not eager and self.runs_compiled()  # eager steps run the user's call as written
+        self.attention.enabled = self.no_cache.enabled
         timed, profile = self.step_timing(eager, size)
         self.step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.schedule.is_lead_in(self.steps):
@@ -363,6 +366,7 @@ class FitState:
         self.stop_recording()
         if self.no_cache is not None:
             self.no_cache.uninstall()
+        self.attention.restore()
         if self.guard is not None:
             self.guard.uninstall()
         if self.sampler is not None:

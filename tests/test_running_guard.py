@@ -2,15 +2,17 @@
 mid-epoch, and torch's own CUDA graphs record for a bounded number of sizes."""
 
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+import lightning_fuse.choice as choice
 import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.buckets import suggest_buckets
-from lightning_fuse.call_shapes import CallShapes
+from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, FirstSizes
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
@@ -52,6 +54,41 @@ def test_with_varying_shapes_only_torch_graphs_per_size_compete_unless_lengths_a
     assert for_varying_shapes(plans, buckets=3) == plans  # padded to 3 lengths: a graph per bucket, at most 3
     graphed = next(plan for plan in plans if plan.name == "regions+graph")
     assert graphed.graph.max_graphs == 3
+
+
+@pytest.mark.parametrize(("device", "buckets", "applies"), [("cuda", None, True), ("cuda", (64, 128), False),
+                                                        ("cpu", None, False)])  # fmt: skip
+def test_varying_lengths_on_cuda_leave_cudnn_attention_out_of_the_plans_steps_only(device, buckets, applies, caplog):
+    fit = SimpleNamespace(shapes=lengths_seen(64, 200, 97), options=SimpleNamespace(pad_buckets=buckets),
+                          searching=False, candidates=[], setting=SimpleNamespace(device=torch.device(device)),
+                          attention=NoCudnnAttention(), varying_dims=set())  # fmt: skip
+    with caplog.at_level("INFO"):
+        choice._hold_over_varying_shapes(fit)
+    assert fit.varying_dims == {1}
+    assert fit.attention.applies is applies
+    assert any("builds a plan for each new length" in r.getMessage() for r in caplog.records) is applies
+    try:
+        fit.attention.enabled = True  # a plan step (and the search)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is not applies
+        fit.attention.enabled = False  # an eager reference step: the user's setting
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        fit.attention.enabled = True
+    finally:
+        fit.attention.restore()  # at the fit's end, whatever the last step was
+    assert torch.backends.cuda.cudnn_sdp_enabled() and not fit.attention.applies
+
+
+def test_a_user_who_turned_cudnn_attention_off_keeps_it_off():
+    attention = NoCudnnAttention()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        attention.apply()
+        attention.enabled = False  # an eager step would otherwise turn it on
+        assert not attention.applies and not torch.backends.cuda.cudnn_sdp_enabled()
+        attention.restore()
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def test_torch_cuda_graphs_record_for_the_first_sizes_met_and_later_sizes_run_compiled_without_one(capsys):
