@@ -56,7 +56,8 @@ class FuseCallback(Callback):
     on the run's own inputs, and the fastest that works is kept; the decision is stored with the compile cache.
     Explicit ``mode``, ``cuda_graph`` or ``targets`` force a plan. Compiling happens in place (``state_dict`` keys,
     hooks and classes never change). Where the first steps' input shapes vary, CUDA graph plans are left out
-    (unless ``pad_buckets``) and the varying dims compile as dynamic. With ``mode="auto"`` a plan measured slower
+    (unless ``pad_buckets``), the varying dims compile as dynamic, and on CUDA the plan's steps leave cuDNN attention
+    out (it builds a plan per new length). With ``mode="auto"`` a plan measured slower
     than eager over a window of steps (:mod:`~lightning_fuse.running_guard`) or over an epoch is dropped and the
     fit trains eagerly. Every epoch logs ``fuse/speedup`` against eager steps measured in the same run,
     with its interval, and ``fuse/step_ms`` and friends; the fit ends with one verdict line.
