@@ -33,7 +33,7 @@ from lightning_fuse.fit import FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
 from lightning_fuse.options import AUTO, FuseOptions
 from lightning_fuse.start import plan_line, start_cache, start_fit
-from lightning_fuse.timing import REFERENCE_BUDGET
+from lightning_fuse.timing import REFERENCE_BUDGET, THIN_REFERENCE
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 SLOWER_THAN_EAGER = 0.9
 """With mode="auto", a plan whose epoch, or a running guard's window of steps, measures below this speedup is
 dropped (margin for measurement noise)."""
+CLEARLY_SLOWER = 1.0
+"""With mode="auto", a plan whose epoch's interval lies wholly below this speedup is dropped too, once the pooled
+reference is not thin (:data:`~lightning_fuse.timing.THIN_REFERENCE` steps): slower than eager beyond the noise the
+interval measures, though above the margin."""
 
 
 class FuseCallback(Callback):
@@ -236,17 +240,27 @@ class FuseCallback(Callback):
             return
         gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
         metrics = end_epoch(fit, trainer.current_epoch, pl_module.device, gather)
-        self._drop_plan_if_slower(trainer, metrics.get("fuse/speedup"))
+        self._drop_plan_if_slower(trainer, metrics)
         metrics["fuse/plan_dropped"] = float(fit.dropped is not None)  # dropped at this epoch's end: this epoch's
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
         log_epoch(metrics, trainer.loggers, trainer.current_epoch)
         if "fuse/speedup" in metrics:
             pl_module.log("fuse/speedup", metrics["fuse/speedup"], prog_bar=True, logger=False)
 
-    def _drop_plan_if_slower(self, trainer: pl.Trainer, speedup: float | None) -> None:
-        """With ``mode="auto"``, a plan measured slower than eager is dropped; rank zero's measurement decides."""
-        if self._plan_is_judged():
-            self._drop_plan_below_margin(trainer.strategy.broadcast(speedup), f"in epoch {trainer.current_epoch}")
+    def _drop_plan_if_slower(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+        """With ``mode="auto"``, a plan the epoch measured slower than eager is dropped: below the margin, or with
+        its whole interval below :data:`CLEARLY_SLOWER` on a reference that is not thin; rank zero's measurement
+        decides."""
+        if not self._plan_is_judged():
+            return
+        solid = len(self.fit.pool.samples) >= THIN_REFERENCE
+        high = metrics.get("fuse/speedup_high") if solid else None
+        speedup, high = trainer.strategy.broadcast((metrics.get("fuse/speedup"), high))
+        when = f"in epoch {trainer.current_epoch}"
+        self._drop_plan_below_margin(speedup, when)
+        if high is not None and high < CLEARLY_SLOWER and self.fit.plan.name != "eager":
+            self.fit.drop_plan(f"it measured {speedup:.2f}x of eager {when}, its interval wholly below "
+                               f"{CLEARLY_SLOWER}x (up to {high:.2f}x)")  # fmt: skip
 
     def _drop_plan_if_slower_over_window(self, trainer: pl.Trainer, plan_ms: list[float] | None) -> None:
         """The running guard: at each window's end (``plan_ms``, its plan steps), with ``mode="auto"``, a plan whose

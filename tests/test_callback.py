@@ -4,6 +4,8 @@ import math
 import statistics
 import sys
 import time
+import warnings
+from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
@@ -16,9 +18,9 @@ import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.compiler import CompiledRegion
 from lightning_fuse.decision import Decision
-from lightning_fuse.plan import Regions
+from lightning_fuse.plan import Plan, Regions
 from lightning_fuse.running_guard import RunningGuard, window_speedup
-from lightning_fuse.timing import StepTimer
+from lightning_fuse.timing import THIN_REFERENCE, StepTimer
 from tests.toy import ToyTask, trainer
 
 CPU_TAGS = {
@@ -219,6 +221,35 @@ def test_auto_mode_drops_a_cached_plan_that_an_epoch_measures_slower_than_eager(
     assert fuse.history[0]["fuse/speedup"] < 0.9 and fuse.history[0]["plan"] == "regions"
     assert fuse.plan.name == "eager" and fuse.history[1]["fuse/plan_dropped"] == 1.0
     assert set(fuse.fallbacks) == set()  # the regions themselves never failed
+
+
+class SlightlySlowerPlan(Plan):
+    name = "regions"
+
+
+def judged_at_epoch_end(speedup: float, low: float, high: float, reference_steps: int) -> FuseCallback:
+    """A callback whose owned plan an epoch measured at ``speedup`` (``low``-``high``) against ``reference_steps``
+    pooled eager steps, after its epoch-end check."""
+    fuse = FuseCallback(cache_dir=False)
+    fuse.fit.plan = SlightlySlowerPlan()
+    fuse.fit.pool.add([10.0] * reference_steps, epoch=0)
+    one_process = SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda value: value), current_epoch=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the drop's warning; the tests read the state it leaves
+        fuse._drop_plan_if_slower(one_process, {"fuse/speedup": speedup, "fuse/speedup_low": low,
+                                                "fuse/speedup_high": high})  # fmt: skip
+    return fuse
+
+
+def test_a_plan_whose_interval_lies_wholly_below_eager_is_dropped_though_above_the_margin():
+    solid = THIN_REFERENCE
+    dropped = judged_at_epoch_end(0.95, 0.93, 0.98, reference_steps=solid)
+    assert dropped.fit.plan.name == "eager"
+    assert "0.95x of eager in epoch 0, its interval wholly below 1.0x (up to 0.98x)" in dropped.fit.dropped
+    assert judged_at_epoch_end(0.97, 0.93, 1.02, reference_steps=solid).fit.dropped is None  # could be eager's
+    # a thin reference's interval understates the drift (test_timing.py): only the margin judges it
+    assert judged_at_epoch_end(0.95, 0.93, 0.98, reference_steps=solid - 1).fit.dropped is None
+    assert "under the 0.9x kept" in judged_at_epoch_end(0.85, 0.8, 0.9, reference_steps=solid - 1).fit.dropped
 
 
 def slow_regions_on_the_clocks(monkeypatch) -> list[float | None]:

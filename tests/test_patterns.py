@@ -138,6 +138,7 @@ def test_bf16_precision(monkeypatch, precision):
 # ---------------------------------------------------------------------------------------------- the user's own compile
 def test_model_compiled_by_the_user_before_the_fit(monkeypatch):
     monkeypatch.setattr(fuse_callback, "SLOWER_THAN_EAGER", 0.0)  # CPU timing noise must not drop it here
+    monkeypatch.setattr(fuse_callback, "CLEARLY_SLOWER", 0.0)
     eager = fit(lambda: UserCompiledTask(compile_it=False))
     cb = fuse()
     fused = fit(lambda: UserCompiledTask(compile_it=True), [cb])

@@ -116,6 +116,7 @@ def pin_search(monkeypatch, winner: str = "regions") -> None:
 
     monkeypatch.setattr(PlanSearch, "_time", pinned_time)
     monkeypatch.setattr(fuse_callback, "SLOWER_THAN_EAGER", 0.0)
+    monkeypatch.setattr(fuse_callback, "CLEARLY_SLOWER", 0.0)
 
 
 def fused_and_eager(make_task: Callable[[], pl.LightningModule], **fit_kwargs) -> tuple[Run, Run, FuseCallback]:
