@@ -13,7 +13,7 @@ import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback
 from lightning_fuse.buckets import suggest_buckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
-from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, RepeatedSizes
+from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, FirstSizes
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
@@ -91,16 +91,14 @@ def test_a_user_who_turned_cudnn_attention_off_keeps_it_off():
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
-def test_torch_cuda_graphs_record_for_sizes_met_again_up_to_a_cap_and_other_sizes_run_compiled_without_one(capsys):
-    sizes = RepeatedSizes(sizes=2)  # 2 sizes: a forward's and a backward's key each
-    first = [key in sizes for key in (64, (64, 3), 96, (96, 3))]
-    assert first == [False] * 4  # a size's first call: compiled code alone (its graph might never replay)
-    again = [key in sizes for key in (64, (64, 3), 96, (96, 3), 64, (96, 3))]
-    assert again == [True] * 6 and sizes.refused == 0
-    assert 128 not in sizes and 128 not in sizes and (128, 3) not in sizes and sizes.refused == 1  # past the cap
-    assert None in sizes  # a graph without dynamic sizes is one graph: never refused
+def test_torch_cuda_graphs_record_for_the_first_sizes_met_and_later_sizes_run_compiled_without_one(capsys):
+    first = FirstSizes(sizes=2)  # 2 sizes: a forward's and a backward's key each
+    met = [key in first for key in (64, (64, 3), 96, (96, 3), 64, (96, 3))]
+    assert met == [True] * 6 and first.refused == 0
+    assert 128 not in first and (128, 3) not in first and first.refused == 2  # past the cap: no graph
+    assert None in first  # a graph without dynamic sizes is one graph: never refused
     assert capsys.readouterr().err.count("recorded for 2 input sizes") <= 1
-    assert pickle.loads(pickle.dumps(sizes)).refused == 0  # inductor's cache key sees the cap, not the sizes met
+    assert pickle.loads(pickle.dumps(first)).refused == 0  # inductor's cache key sees the cap, not the sizes met
 
 
 def test_a_plan_under_torch_graphs_caps_their_sizes_while_installed_and_gives_the_setting_back():
@@ -111,7 +109,7 @@ def test_a_plan_under_torch_graphs_caps_their_sizes_while_installed_and_gives_th
     plan.install()
     try:
         capped = torch._inductor.config.triton.cudagraph_capture_sizes
-        assert isinstance(capped, RepeatedSizes) and capped.sizes == TREE_SIZES
+        assert isinstance(capped, FirstSizes) and capped.sizes == TREE_SIZES
         plan.install()  # installed again (after an eager reference step): one cap, one setting to give back
     finally:
         plan.uninstall()
