@@ -8,9 +8,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import lightning_fuse.choice as choice
 import lightning_fuse.running_guard as running_guard
-from lightning_fuse import FuseCallback
+from lightning_fuse import FuseCallback, choice
 from lightning_fuse.buckets import suggest_buckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, FirstSizes
@@ -245,7 +244,7 @@ def test_rank_zeros_word_decides_once_per_window(monkeypatch):
     def rank_zero_says_fast(fuse):
         def broadcast(value, src=0):  # as if rank zero measured the plan faster than eager, wherever it is slow here
             calls.append((fuse.fit.steps, value))
-            fast = lambda speedup: 2.0 if isinstance(speedup, float) and speedup < 1.0 else speedup  # noqa: E731
+            fast = lambda speedup: 2.0 if isinstance(speedup, float) and speedup < 1.0 else speedup
             return tuple(map(fast, value)) if isinstance(value, tuple) else fast(value)  # an epoch's end: a pair
 
         return broadcast
