@@ -229,12 +229,11 @@ class RegionCompiles:
     Example::
 
         >>> stats = RegionCompiles(recompiles_by_code=Counter({"0": 2, "3": 1}))
-        >>> stats.most_recompiles_of_one_code
-        2
+        >>> stats.recompiles, stats.most_recompiles_of_one_code
+        (3, 2)
     """
 
     compiles: int = 0
-    recompiles: int = 0
     recompiles_by_code: Counter[str] = field(default_factory=Counter)
     """Recompiles per code object (dynamo's frame): a region whose code breaks into several frames recompiles each
     for a new kind of input, as torch's own limit (per code object) allows."""
@@ -243,6 +242,10 @@ class RegionCompiles:
     recompile_reasons: list[str] = field(default_factory=list)
     break_reasons: list[str] = field(default_factory=list)
     modes: set[ModeKey] = field(default_factory=set)
+
+    @property
+    def recompiles(self) -> int:
+        return sum(self.recompiles_by_code.values())
 
     @property
     def most_recompiles_of_one_code(self) -> int:
@@ -338,7 +341,6 @@ class CompileTracker:
         _extend_capped(stats.break_reasons, new_breaks, self._MAX_REASONS)
         stats.compiles += 1
         if mode_seen:
-            stats.recompiles += 1
             stats.recompiles_by_code[code] += 1
 
     def _latest_recompile_reasons(self) -> list[str]:

@@ -148,7 +148,8 @@ def test_the_verdict_pools_only_the_final_plans_epochs():
 def a_tracker() -> CompileTracker:
     tracker = CompileTracker()
     block0 = tracker.stats("model.blocks.0")
-    block0.compiles, block0.recompiles, block0.compile_s = 2, 1, 7.5
+    block0.compiles, block0.compile_s = 2, 7.5
+    block0.recompiles_by_code["0"] = 1
     block0.recompile_reasons.append("size mismatch at index 0")
     block0.break_reasons.append("Data-dependent branching")
     for index in (1, 2, 10):
