@@ -271,7 +271,7 @@ class FuseCallback(Callback):
         window = self.fit.pace.window
         speedup = trainer.strategy.broadcast(self.fit.speedup_over_window(plan_ms))
         where = f"over its last {window} steps in epoch {trainer.current_epoch}"
-        self._drop_plan_below_margin(speedup, f"{where} (median step, compiling and graph-recording steps included)")
+        self._drop_plan_below_margin(speedup, f"{where} (median step, compiling steps included)")
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone

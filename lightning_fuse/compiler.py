@@ -39,7 +39,7 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 """torch.compile modes that record torch's own CUDA graphs, one per input shape."""
 TREE_SIZES = 32
-"""Input sizes torch's cudagraph trees may record graphs for in one fit (:class:`FirstSizes`): the first met."""
+"""Input sizes torch's cudagraph trees may record graphs for in one fit (:class:`RepeatedSizes`)."""
 LIMIT_ACTIONS = ("eager", "dynamic")
 RECOMPILE_LIMIT = 8
 """Compiles a region may make beyond its first before ``on_recompile_limit`` applies (the default)."""
@@ -55,31 +55,37 @@ TOLERANCES = {
 }
 
 
-class FirstSizes:
-    """The input sizes torch's cudagraph trees may record CUDA graphs for: the first ``sizes`` met, each kept.
+class RepeatedSizes:
+    """The input sizes torch's cudagraph trees may record CUDA graphs for: those met again, the first ``sizes`` such.
 
     Under a :data:`GRAPHING_MODES` mode, inductor records one graph per input size of a dynamic shape (a size met
-    again replays its graph). With lengths that vary without end, that is a recording at almost every step and
-    memory for every graph; a size past the first ones runs the same compiled code without a graph. Inductor asks
-    ``key in sizes`` at each call, the key being a compiled graph's integer inputs (``None``: it has none, one
+    again replays its graph). A graph pays only for a size that comes again: where each batch has its own length,
+    the trees' first run of every size (a warm-up run in their memory pool) costs more than compiled code alone, and
+    its graph is never replayed. So a size's first call runs the compiled code without a graph, its second starts
+    the trees' recording, and past the first ``sizes`` sizes met again (memory for every graph) none records. Inductor
+    asks ``key in sizes`` at each call, the key being a compiled graph's integer inputs (``None``: it has none, one
     graph), so each size counts once for the forward and once for the backward. Installed by
     :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
 
     Example::
 
-        >>> first = FirstSizes(sizes=1)
-        >>> [key in first for key in (64, (64, 8), 64, 96, None)]
-        [True, True, True, False, True]
+        >>> sizes = RepeatedSizes(sizes=1)
+        >>> [key in sizes for key in (64, 64, (64, 8), (64, 8), 64, 96, 96, None)]
+        [False, True, False, True, True, False, False, True]
     """
 
     def __init__(self, sizes: int = TREE_SIZES) -> None:
         self.sizes = sizes
         self.refused = 0
+        self._met: set[Any] = set()
         self._recorded: set[Any] = set()
 
     def __contains__(self, key: Any) -> bool:
         if key is None or key in self._recorded:
             return True
+        if key not in self._met:
+            self._met.add(key)
+            return False
         if len(self._recorded) < 2 * self.sizes:
             self._recorded.add(key)
             return True
@@ -92,7 +98,7 @@ class FirstSizes:
 
     def __reduce__(self) -> tuple[type, tuple[int]]:
         # inductor keys its compile cache by its pickled config: the sizes met so far must not change the key
-        return FirstSizes, (self.sizes,)
+        return RepeatedSizes, (self.sizes,)
 
 
 @dataclass

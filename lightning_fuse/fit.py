@@ -79,6 +79,7 @@ class FitState:
     nominal_batch: int = 0
     step_kind: str = SKIPPED
     step_compiles: int = 0
+    step_recordings: int = 0
     step_context: ExitStack = field(default_factory=ExitStack)
     """The running step's contexts: the eager stance, the plan's modules run plainly, the FLOP counter."""
     pool: ReferencePool = field(default_factory=ReferencePool)
@@ -206,7 +207,7 @@ class FitState:
             items = count_items(length_fn, batch)  # every batch, so a bad length_fn fails on the first
             if self.step_kind != SKIPPED:
                 self.items.append(items)
-        self.step_compiles = self.tracker.total_compiles
+        self.step_compiles, self.step_recordings = self.tracker.total_compiles, self.tracker.recordings
         # the running guard times the plan's steps, eager's timed reference steps and the eager steps before the plan
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
         if self.graph is not None:
@@ -240,17 +241,19 @@ class FitState:
         return timed and size == self.nominal_batch and profile is None, profile
 
     def end_step(self) -> list[float] | None:
-        """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled or captured a graph is
-        kept out), its contexts left; at the end of a running guard's window, that window's plan step times."""
+        """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled, captured a graph of
+        ours or recorded one of torch's cudagraph trees is kept out), its contexts left; at the end of a running
+        guard's window, that window's plan step times (recording steps left out, compiling ones in)."""
         graph = self.graph
         compiled_now = self.tracker.total_compiles != self.step_compiles
+        recorded_now = self.tracker.recordings != self.step_recordings
         captured_now = graph is not None and graph.captured_during_last_call
-        self.timer.stop(SKIPPED if compiled_now or captured_now else self.step_kind)
+        self.timer.stop(SKIPPED if compiled_now or recorded_now or captured_now else self.step_kind)
         if self.profile is not None:
             self.profile.step_end()
         self.close_step_context()
         self.steps += 1
-        return self.pace.end()
+        return self.pace.end(judged=not recorded_now)
 
     def close_step_context(self) -> None:
         """Leave the running step's contexts, keeping the FLOPs it counted."""

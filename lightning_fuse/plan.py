@@ -33,7 +33,7 @@ from lightning_fuse.compiler import (
     GRAPHING_MODES,
     CompiledRegion,
     CompileOptions,
-    FirstSizes,
+    RepeatedSizes,
     RegionPolicy,
     uncompile_regions,
 )
@@ -171,7 +171,7 @@ class Regions(Plan):
         self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead")
         self.records_graphs = graph or setting.options.mode in GRAPHING_MODES
         self.cudagraph_trees = setting.options.mode in GRAPHING_MODES and setting.device.type == "cuda"
-        self._tree_sizes = FirstSizes() if self.cudagraph_trees else None
+        self._tree_sizes = RepeatedSizes() if self.cudagraph_trees else None
         self._restore_tree_sizes: Callable[[], None] | None = None
         options = setting.options
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
@@ -363,8 +363,8 @@ def for_varying_shapes(plans: Sequence[Plan], buckets: int) -> list[Plan]:
     """The plans that hold when the network's input shapes vary between steps. A graph of FuseCallback's own is
     captured for one shape, so those plans compete only where the lengths are padded to ``buckets`` sizes (``0``:
     none; one graph per bucket, capped by :attr:`Setting.max_graphs`). torch's cudagraph trees compile the varying
-    dims once, as dynamic, and record a graph per size, replayed when that size comes again (the first
-    :data:`~lightning_fuse.compiler.TREE_SIZES`; later ones run compiled without a graph): they always compete.
+    dims once, as dynamic, and record a graph for a size that comes again (the first
+    :data:`~lightning_fuse.compiler.TREE_SIZES` such; other sizes run compiled without a graph): they always compete.
 
     Example::
 

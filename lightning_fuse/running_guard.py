@@ -3,8 +3,11 @@
 The plan is chosen on a few calls of one recorded input; a plan that then crawls in training (it recompiles, or
 records a new CUDA graph, at every new sequence length) would otherwise run a whole epoch before the epoch-end
 check drops it. :class:`RunningGuard` times, on the host clock, each step from its start to its end: the plan's
-steps, all of them (a step that compiled or recorded a graph counts: that is the crawl), and the eager reference's
-timed steps. Every :data:`GUARD_WINDOW` steps it hands back the window's plan step times, which
+steps (a step that compiled counts: a recompile at every new length is the crawl), and the eager reference's timed
+steps. A step in which torch's cudagraph trees recorded a graph counts as a step of its window, but its time is left
+out: the sizes recorded are capped per fit (:data:`~lightning_fuse.compiler.TREE_SIZES`), so recording is a
+one-time cost, and the recordings of a few lengths met close together would otherwise make one window of a plan
+that then replays at 5x eager read slower than eager. Every :data:`GUARD_WINDOW` steps it hands back the window's plan step times, which
 :func:`window_speedup` compares with eager's median step; the caller drops the plan below its margin. Windows
 are counted in steps since the plan was installed, the same on every rank, so a decision shared between ranks
 (one collective) falls on the same step everywhere.
@@ -72,8 +75,9 @@ class RunningGuard:
         step before the plan, outside every window) or ``None`` (not timed)."""
         self._open = (kind, self._clock())
 
-    def end(self) -> list[float] | None:
-        """The step ended; at a window's end, that window's plan step times (ms), and the next window begins."""
+    def end(self, judged: bool = True) -> list[float] | None:
+        """The step ended; at a window's end, that window's plan step times (ms), and the next window begins.
+        ``judged=False``: the step counts in its window, but its time is left out (it recorded a CUDA graph)."""
         if self._open is None:
             return None
         kind, start = self._open
@@ -82,9 +86,9 @@ class RunningGuard:
         if kind == BEFORE:
             self._before_ms.append(ms)
             return None  # windows count the steps since the plan was installed
-        if kind == PLAN:
+        if kind == PLAN and judged:
             self._plan_ms.append(ms)
-        elif kind == EAGER:
+        elif kind == EAGER and judged:
             self._eager_ms.append(ms)
         self._steps += 1
         if self._steps % self.window:

@@ -258,7 +258,8 @@ class CompileTracker:
     Compiles during a region's first call in a mode (train/eval, grad, inference) are expected, however many frames
     that call compiles; any compile in a later call under a known mode is a recompile, with dynamo's
     ``recompile_reason``. A compiled graph's backward, compiled at its first call, adds its time only; a CUDA graph
-    that torch's cudagraph trees record (their callbacks fire too) is no compile at all.
+    that torch's cudagraph trees record (their callbacks fire too) is no compile at all: it counts in
+    :attr:`recordings`.
 
     Example::
 
@@ -276,6 +277,8 @@ class CompileTracker:
         self.regions: dict[str, RegionCompiles] = {}
         self.total_s = 0.0
         self.total_compiles = 0
+        self.recordings = 0
+        """CUDA graphs torch's cudagraph trees recorded (each size's forward and backward)."""
         self._current: tuple[str, bool] | None = None
         self._started: float | None = None
         self._breaks_before: Counter[str] = Counter()
@@ -327,6 +330,7 @@ class CompileTracker:
         self._started = None
         trigger, code = compile_event(callback_args)
         if trigger == "CUDAGRAPH_RECORDING":  # torch's cudagraph trees recording a graph: no compile
+            self.recordings += 1
             return
         self.total_s += elapsed
         if trigger != "DYNAMO" or self._current is None:  # a lazy backward compile, code outside any region: time

@@ -266,8 +266,8 @@ def slow_regions_on_the_clocks(monkeypatch) -> list[float | None]:
         now[0] += 0.01
         return plain_call(self, *args, **kwargs)
 
-    def judged_end(self):
-        closed = plain_end(self)
+    def judged_end(self, judged=True):
+        closed = plain_end(self, judged)
         if closed is not None:
             windows.append(window_speedup(closed, self.eager_ms(), least=self.window // 2))
         return closed

@@ -12,7 +12,7 @@ import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback, choice
 from lightning_fuse.buckets import suggest_buckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
-from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, FirstSizes
+from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, RepeatedSizes
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
@@ -90,14 +90,16 @@ def test_a_user_who_turned_cudnn_attention_off_keeps_it_off():
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
-def test_torch_cuda_graphs_record_for_the_first_sizes_met_and_later_sizes_run_compiled_without_one(capsys):
-    first = FirstSizes(sizes=2)  # 2 sizes: a forward's and a backward's key each
-    met = [key in first for key in (64, (64, 3), 96, (96, 3), 64, (96, 3))]
-    assert met == [True] * 6 and first.refused == 0
-    assert 128 not in first and (128, 3) not in first and first.refused == 2  # past the cap: no graph
-    assert None in first  # a graph without dynamic sizes is one graph: never refused
+def test_torch_cuda_graphs_record_for_sizes_met_again_up_to_a_cap_and_other_sizes_run_compiled_without_one(capsys):
+    sizes = RepeatedSizes(sizes=2)  # 2 sizes: a forward's and a backward's key each
+    first = [key in sizes for key in (64, (64, 3), 96, (96, 3))]
+    assert first == [False] * 4  # a size's first call: compiled code alone (its graph might never replay)
+    again = [key in sizes for key in (64, (64, 3), 96, (96, 3), 64, (96, 3))]
+    assert again == [True] * 6 and sizes.refused == 0
+    assert 128 not in sizes and 128 not in sizes and (128, 3) not in sizes and sizes.refused == 1  # past the cap
+    assert None in sizes  # a graph without dynamic sizes is one graph: never refused
     assert capsys.readouterr().err.count("recorded for 2 input sizes") <= 1
-    assert pickle.loads(pickle.dumps(first)).refused == 0  # inductor's cache key sees the cap, not the sizes met
+    assert pickle.loads(pickle.dumps(sizes)).refused == 0  # inductor's cache key sees the cap, not the sizes met
 
 
 def test_a_plan_under_torch_graphs_caps_their_sizes_while_installed_and_gives_the_setting_back():
@@ -108,7 +110,7 @@ def test_a_plan_under_torch_graphs_caps_their_sizes_while_installed_and_gives_th
     plan.install()
     try:
         capped = torch._inductor.config.triton.cudagraph_capture_sizes
-        assert isinstance(capped, FirstSizes) and capped.sizes == TREE_SIZES
+        assert isinstance(capped, RepeatedSizes) and capped.sizes == TREE_SIZES
         plan.install()  # installed again (after an eager reference step): one cap, one setting to give back
     finally:
         plan.uninstall()
@@ -145,6 +147,18 @@ def test_the_steps_before_the_plan_are_timed_outside_every_window_the_first_left
         closed.append(guard.end())
     assert closed == [None, None, None, None, pytest.approx([5.0, 5.0])], "windows count from the plan on"
     assert guard.before_ms() == pytest.approx(25.0) and guard.eager_ms() is None
+
+
+def test_a_step_that_recorded_a_graph_counts_in_its_window_without_its_time():
+    now = [0.0]
+    guard = RunningGuard(window=4, clock=lambda: now[0])
+    closed = []
+    for kind, ms, recorded in [(PLAN, 200.0, True), (PLAN, 5.0, False), (EAGER, 300.0, True), (PLAN, 5.0, False)]:
+        guard.begin(kind)
+        now[0] += ms / 1e3
+        closed.append(guard.end(judged=not recorded))
+    assert closed == [None, None, None, pytest.approx([5.0, 5.0])], "4 steps make the window, 2 are judged"
+    assert guard.eager_ms() is None
 
 
 class PlanPerStep(Callback):
@@ -216,6 +230,31 @@ def test_a_plan_slower_than_eager_is_dropped_within_the_guards_window_mid_epoch(
     assert fuse.decision.winner == "regions" and "over its last 30 steps" in fuse.fit.dropped
     assert fuse.history[0]["fuse/plan_dropped"] == 1.0 and fuse.plan.name == "eager"
     assert fuse.verdict.startswith("FuseCallback: the plan was dropped, it measured ")
+
+
+def test_graph_recordings_bunched_in_one_window_do_not_drop_a_plan_that_is_fast_after(monkeypatch):
+    """The plan's first 60 compiled calls (its first 20 steps: 3 regions a step) each take 100 ms and record a CUDA
+    graph, as torch's cudagraph trees do for lengths met close together; every later call is fast. Without leaving
+    the recording steps out, the guard's first window would read 0.00x of eager."""
+    clock, plain_call = regions_win_on_a_fake_clock(monkeypatch), CompiledRegion.__call__
+    callbacks = torch._dynamo.callback.callback_handler
+    recordings, plan_calls = 60, [0]
+
+    def call(self, *args, **kwargs):
+        fuse_plan = fuse.fit.plan
+        if fuse_plan is None or fuse_plan.name != "regions" or plan_calls[0] >= recordings:
+            return plain_call(self, *args, **kwargs)
+        plan_calls[0] += 1
+        with callbacks.install_callbacks(torch._dynamo.callback.CallbackTrigger.CUDAGRAPH_RECORDING, "0"):
+            clock.now += 0.1
+            return plain_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(CompiledRegion, "__call__", call)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)  # judged against the steps before
+    t = trainer([fuse], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
+    t.fit(ToyTask(samples=16 * 70))
+    assert plan_calls[0] == recordings and fuse.tracker.recordings == recordings
+    assert fuse.decision.winner == "regions" and fuse.fit.dropped is None and fuse.plan.name == "regions"
 
 
 class SlowOptimizer(Callback):

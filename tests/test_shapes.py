@@ -169,7 +169,7 @@ def test_graph_breaks_are_counted_per_region_logged_and_explained(caplog):
     assert "model.blocks.0 graph break" in caplog.text and "fix:" in caplog.text
 
 
-def test_only_dynamo_compiles_count_a_lazy_backward_adds_time_and_a_cudagraph_recording_nothing():
+def test_only_dynamo_compiles_count_a_lazy_backward_adds_time_and_a_cudagraph_recording_counts_apart():
     trigger = Enum("CallbackTrigger", "DYNAMO LAZY_BACKWARD CUDAGRAPH_RECORDING")
     tracker = CompileTracker()
 
@@ -187,3 +187,4 @@ def test_only_dynamo_compiles_count_a_lazy_backward_adds_time_and_a_cudagraph_re
     stats = tracker.stats("block")
     assert (stats.compiles, stats.recompiles, tracker.total_compiles) == (1, 0, 1)
     assert tracker.stats(CompileTracker.OUTSIDE).compiles == 0
+    assert tracker.recordings == 3
