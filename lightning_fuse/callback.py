@@ -77,8 +77,8 @@ class FuseCallback(Callback):
         dynamic: Passed to ``torch.compile``.
         options: Inductor options passed to ``torch.compile`` (not together with an explicit ``mode``).
         cuda_graph: One CUDA graph over the network's forward and backward: ``"auto"``, ``True`` or ``False``.
-        optimizer_graph: Under a compiled plan on CUDA, capture the optimizer's update (Adam, AdamW, fused SGD) in
-            a CUDA graph and keep it where whole steps measure faster with it
+        optimizer_graph: Under a compiled plan on CUDA, capture the optimizer's update (Adam, AdamW, fused SGD),
+            Lightning's gradient clipping with it, in a CUDA graph and keep it where whole steps measure faster with it
             (:mod:`~lightning_fuse.optimizer_graph`); ``False``: the optimizer steps as it always does.
         dynamic_dims: ``"auto"`` marks the batch dim dynamic when the loader can yield a partial last batch; ``None``
             marks nothing; or a mapping such as ``{"input_ids": [0, 1]}``.

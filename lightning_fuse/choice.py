@@ -84,7 +84,8 @@ def _install_optimizer_graphs(fit: FitState, trainer: pl.Trainer) -> None:
     scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision's GradScaler (fp16)
     alone = fit.setting.world_size == 1
     fit.optimizer_graphs = install_optimizer_graphs(trainer.optimizers, scaler, fit.setting.device,
-                                                    fit.capture_optimizer, decides_alone=alone)  # fmt: skip
+                                                    fit.capture_optimizer, decides_alone=alone,
+                                                    precision=trainer.precision_plugin)  # fmt: skip
     fit.optimizer_verdict_pending = not alone and any(graph is not None for graph in fit.optimizer_graphs)
 
 

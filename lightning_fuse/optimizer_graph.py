@@ -10,6 +10,10 @@ and as a measured choice:
   Lightning's closure and the update: Lightning calls ``optimizer.step(closure=...)`` from its precision plugin).
   The replacement runs the closure (Lightning's forward, backward and gradient clipping) and then the update:
   replayed, or the optimizer's own ``step()``. Uninstalling puts the optimizer back as it was.
+- **Gradient clipping.** Lightning's clipping (its precision plugin's ``clip_gradients``) is captured with the
+  update where a :class:`~lightning_fuse.clipping.ClippingInUpdate` is given: the replay clips the graph's gradient
+  buffers, and an eager update is preceded by the plugin's own clipping. A step clipping otherwise than at the
+  capture (another value or algorithm) runs the optimizer's own update.
 - **What the replay reads.** The gradients are copied into the graph's own buffers (one ``_foreach_copy_``); the
   learning rate of each parameter group is a device tensor the graph reads, refilled when a scheduler changed the
   group's ``lr`` (which stays a float for everything else that reads it); Adam's step counters live on the device
@@ -19,7 +23,8 @@ and as a measured choice:
   (said once), and when the capture failed (said once): every such step is the optimizer's own, so a run never
   trains differently for it.
 - **Kept by measurement.** After the capture, whole steps alternate in blocks between the replay and the eager
-  update (:class:`Trial`); the graph stays only where the median whole step is below :data:`KEEP_BELOW` of eager's.
+  update (:class:`~lightning_fuse.optimizer_trial.Trial`); the graph stays only where the median whole step is
+  below :data:`~lightning_fuse.optimizer_trial.KEEP_BELOW` of eager's.
   With several processes, rank zero's trial decides for every rank (:func:`settle_together`): a rank that kept its
   graph and one that dropped it would update with different kernels, and their parameters would drift apart.
 
@@ -37,7 +42,6 @@ Example::
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,22 +50,17 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
 from lightning_fuse import compat
+from lightning_fuse.clipping import ClipKey, ClippingInUpdate
 from lightning_fuse.compiler import describe_error
+from lightning_fuse.optimizer_trial import BLOCK_STEPS, EAGER, GRAPH, TRIAL_BLOCKS, Trial
 from lightning_fuse.timing import StepTimer
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 """Optimizers whose update is captured: each evaluates its closure once, and takes a device tensor as its learning
 rate inside a capture (Adam and AdamW with ``capturable=True``)."""
-BLOCK_STEPS = 4
-"""The trial's whole steps run in blocks of this many with the replay, then as many with the eager update."""
-TRIAL_BLOCKS = 5
-"""Blocks of each kind the trial runs before deciding (more if eager reference steps left too few timed)."""
-KEEP_BELOW = 0.97
-"""The graph is kept where the trial's median whole step with it is below this share of the eager update's."""
 SETTLE_EVERY = 2 * (TRIAL_BLOCKS + 1) * BLOCK_STEPS
 """With several processes, the training steps between two shares of rank zero's verdict (:func:`settle_together`):
 one trial and a block pair more, so that the first share usually finds the trial done."""
-GRAPH, EAGER = "graph", "eager"
 Capture = Callable[[Callable[[], None]], Callable[[], None]]
 
 
@@ -82,6 +81,8 @@ class OptimizerGraph:
         timer: Times the trial's whole steps (one mark per ``step()`` call).
         decides_alone: Whether this process's trial decides (one process); ``False``: it only measures, and
             :meth:`settle` applies the verdict shared by rank zero (:func:`settle_together`).
+        clipping: Where Lightning's gradient clipping is handed to the graph (``None``: it runs where Lightning
+            runs it, before :meth:`install`'s step).
 
     Example::
 
@@ -98,7 +99,8 @@ class OptimizerGraph:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, capture: Capture = cuda_capture,
-                 timer: StepTimer | None = None, decides_alone: bool = True) -> None:  # fmt: skip
+                 timer: StepTimer | None = None, decides_alone: bool = True,
+                 clipping: ClippingInUpdate | None = None) -> None:  # fmt: skip
         self.optimizer = optimizer
         self.decides_alone = decides_alone
         self.enabled = True
@@ -119,6 +121,10 @@ class OptimizerGraph:
         self._owner: tuple[Any, Any] = (None, None)
         self._last_mode: str | None = None
         self._captured_in_last_step = False  # that step's time holds the capture
+        self._clipping = clipping
+        self._in_closure = False
+        self._pending_clip: tuple[ClipKey, Callable[[], None]] | None = None  # the closure's clipping, not yet run
+        self._captured_clip: ClipKey | None = None
 
     @staticmethod
     def refusal(optimizer: torch.optim.Optimizer, scaler: Any, on_cuda: bool) -> str | None:
@@ -150,12 +156,16 @@ class OptimizerGraph:
 
     def install(self) -> None:
         self._previous_step = compat.replace_optimizer_step(self.optimizer, self._step)
+        if self._clipping is not None:
+            self._clipping.add(self.optimizer, self.take_clipping)
 
     def uninstall(self) -> None:
         """The optimizer as before :meth:`install`: its own ``step``, its ``capturable`` settings, no graph."""
         if self._previous_step is not None:
             compat.restore_optimizer_step(self.optimizer, self._previous_step)
             self._previous_step = None
+        if self._clipping is not None:
+            self._clipping.remove(self.optimizer)
         self.release()
 
     def release(self) -> None:
@@ -193,34 +203,49 @@ class OptimizerGraph:
         self._time_trial()
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            self._in_closure = self.enabled and self.disabled_reason is None
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._in_closure = False
         mode = self._update()
         if mode == GRAPH:
             compat.mark_optimizer_stepped(self.optimizer)  # as the LR scheduler's wrapper of step would
         self._last_mode = mode if self.enabled else None
         return loss
 
+    def take_clipping(self, key: ClipKey, clip: Callable[[], None]) -> bool:
+        """Take the closure's gradient clipping (``clip()``, as ``key`` says) into this step's update: ``False``
+        outside this graph's step, or where its update runs eagerly for good (Lightning then clips at once)."""
+        if self._in_closure:
+            self._pending_clip = (key, clip)
+        return self._in_closure
+
     def _update(self) -> str:
-        """One update, replayed where it may be; returns how it ran."""
+        """One update (the clipping taken from the closure first), replayed where it may be; returns how it ran."""
+        key, clip = self._pending_clip or (None, None)
+        self._pending_clip = None
         if not self.enabled or self.disabled_reason is not None or not self.trial.wants_graph():
-            return self._eager_update()
-        if not self._still_captured_state():
-            return self._eager_update()
+            return self._eager_update(clip)
+        if not self._still_captured_state() or (self.captured and key != self._captured_clip):
+            return self._eager_update(clip)
         if not self._warm:
-            return EAGER if self._warm_up() else self._eager_update()
-        if not self.captured and not self._capture():
-            return self._eager_update()
+            _run(clip)  # on the gradients, as Lightning would have
+            return EAGER if self._warm_up() else self._eager_update(None)
+        if not self.captured and not self._capture(key, clip):
+            return self._eager_update(clip)
         grads = [p.grad for p in self._params]
         if not self._fit_buffers(grads):
-            return self._eager_update()
+            return self._eager_update(clip)
         compat.copy_tensors(self._grads, grads)
         self._refresh_lrs()
         self._replay()
         self.replays += 1
         return GRAPH
 
-    def _eager_update(self) -> str:
+    def _eager_update(self, clip: Callable[[], None] | None) -> str:
+        _run(clip)
         self._previous_step()
         return EAGER
 
@@ -248,13 +273,20 @@ class OptimizerGraph:
         self._settings = [_settings(group) for group in self.optimizer.param_groups]
         self._owner = (self.optimizer.state, self.optimizer.param_groups)
 
-    def _capture(self) -> bool:
-        """Capture the update (it does not run); ``False`` when it failed, said once."""
+    def _capture(self, key: ClipKey | None, clip: Callable[[], None] | None) -> bool:
+        """Capture the clipping ``clip`` (as ``key`` says; ``None``: none) and the update (neither runs); ``False``
+        when it failed, said once."""
         self._grads = [torch.zeros_like(p) for p in self._params]
+        step = self._previous_step
+
+        def update() -> None:
+            _run(clip)  # on the gradient buffers, which the parameters' .grad are while this runs
+            step()
+
         try:
-            params, grads, step = self._params, self._grads, self._previous_step
-            self._replay = self._capture_fn(lambda: self._with_graph_inputs(step, grads, params))
-            self._captured_in_last_step = True
+            params, grads = self._params, self._grads
+            self._replay = self._capture_fn(lambda: self._with_graph_inputs(update, grads, params))
+            self._captured_in_last_step, self._captured_clip = True, key
         except Exception as err:  # noqa: BLE001 - a failed capture costs the graph, never the run
             self.release()
             self._disable(f"the capture failed ({describe_error(err)})")
@@ -343,7 +375,8 @@ class OptimizerGraph:
 
     def settle(self, ratio: float) -> None:
         """Keep the graph where ``ratio`` (the whole step with it over the eager update's; ``inf``: rank zero's
-        graph is gone) is below :data:`KEEP_BELOW`, else run the optimizer's own update from now on."""
+        graph is gone) is below :data:`~lightning_fuse.optimizer_trial.KEEP_BELOW`, else run the optimizer's own
+        update from now on."""
         if self.trial.decided:
             return
         if not math.isfinite(ratio):
@@ -357,67 +390,13 @@ class OptimizerGraph:
             self._disable(f"the trial measured it at {ratio:.2f}x of the eager update's whole step")
 
 
-class Trial:
-    """Alternates whole steps with the replayed and the eager update in blocks, measures their medians' ratio, and
-    is settled on a ratio (its own, or rank zero's).
-
-    Example::
-
-        >>> trial = Trial()
-        >>> trial.measure([4.0, 4.1, 3.9] * 4, [5.0, 5.2, 4.9] * 4)
-        >>> round(trial.measured, 2)
-        0.8
-        >>> trial.settle(trial.measured); trial.keep
-        True
-    """
-
-    def __init__(self) -> None:
-        self.decided = False
-        self.keep = False
-        self.ratio: float | None = None
-        self.measured: float | None = None
-        """The replay's median whole step over the eager update's (``None``: too few timed steps yet)."""
-        self._steps = 0  # whole steps since the capture
-        self._graph_ms: list[float] = []
-        self._eager_ms: list[float] = []
-
-    def wants_graph(self) -> bool:
-        """Whether the next update replays: always once kept, in alternating blocks during the trial."""
-        return self.keep if self.decided else (self._steps // BLOCK_STEPS) % 2 == 0
-
-    def advance(self, replayed: bool) -> None:
-        if replayed or self._steps:
-            self._steps += 1
-
-    def due(self) -> bool:
-        return self._steps >= 2 * TRIAL_BLOCKS * BLOCK_STEPS and self._steps % (2 * BLOCK_STEPS) == 0
-
-    def measure(self, graph_ms: list[float], eager_ms: list[float]) -> None:
-        """Add a round's whole steps and measure; with fewer than half a trial's steps timed of either (eager
-        reference steps between), :attr:`measured` waits for another round."""
-        self._graph_ms += graph_ms
-        self._eager_ms += eager_ms
-        enough = TRIAL_BLOCKS * BLOCK_STEPS // 2
-        if min(len(self._graph_ms), len(self._eager_ms)) >= enough:
-            self.measured = statistics.median(self._graph_ms) / statistics.median(self._eager_ms)
-
-    def settle(self, ratio: float) -> None:
-        """Decide on ``ratio``: keep the graph where it is below :data:`KEEP_BELOW`."""
-        self.ratio, self.keep, self.decided = ratio, ratio < KEEP_BELOW, True
-
-    def describe(self) -> str:
-        if not self.decided:
-            return ", in its trial"
-        verdict = "kept" if self.keep else "dropped"
-        return f", {verdict} at {self.ratio:.2f}x of the eager update's whole step"
-
-
 def install_optimizer_graphs(optimizers: Sequence[torch.optim.Optimizer], scaler: Any, device: torch.device,
-                             capture: Capture | None = None, decides_alone: bool = True,
+                             capture: Capture | None = None, decides_alone: bool = True, precision: Any = None,
                              ) -> list[OptimizerGraph | None]:  # fmt: skip
     """An installed :class:`OptimizerGraph` for each optimizer that may have one (``None`` for the others, with
     one line saying why on CUDA). ``capture``: how to capture (``None``: :func:`cuda_capture`, on CUDA only);
-    ``decides_alone``: one process (else :func:`settle_together` decides).
+    ``decides_alone``: one process (else :func:`settle_together` decides); ``precision``: the Trainer's precision
+    plugin, whose gradient clipping the graphs take into their updates (``None``: it stays where it is).
 
     Example::
 
@@ -426,13 +405,14 @@ def install_optimizer_graphs(optimizers: Sequence[torch.optim.Optimizer], scaler
         [None]
     """
     on_cuda = device.type == "cuda" or capture is not None
+    clipping = ClippingInUpdate(precision) if precision is not None else None
     graphs: list[OptimizerGraph | None] = []
     for optimizer in optimizers:
         refusal = OptimizerGraph.refusal(optimizer, scaler, on_cuda)
         if refusal is not None and on_cuda:
             rank_zero_info(f"FuseCallback: {type(optimizer).__name__}'s update runs eagerly: {refusal}.")
         graph = None if refusal else OptimizerGraph(optimizer, capture=capture or cuda_capture,
-                                                    decides_alone=decides_alone)  # fmt: skip
+                                                    decides_alone=decides_alone, clipping=clipping)  # fmt: skip
         if graph is not None:
             graph.install()
         graphs.append(graph)
@@ -458,6 +438,11 @@ def settle_together(graphs: Sequence[OptimizerGraph | None], broadcast: Callable
         if graph is not None and word is not None:
             graph.settle(word)
     return all(word is not None for graph, word in zip(graphs, words, strict=True) if graph is not None)
+
+
+def _run(clip: Callable[[], None] | None) -> None:
+    if clip is not None:
+        clip()
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:

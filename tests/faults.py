@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import lightning_fuse
 from lightning_fuse import FuseCallback
-from lightning_fuse.optimizer_graph import EAGER, GRAPH
+from lightning_fuse.optimizer_trial import EAGER, GRAPH
 from tests.toy import RecordingTask, trainer
 
 PACKAGE = Path(lightning_fuse.__file__).resolve().parent

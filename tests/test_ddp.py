@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_fuse.optimizer_graph import BLOCK_STEPS, TRIAL_BLOCKS
+from lightning_fuse.optimizer_trial import BLOCK_STEPS, TRIAL_BLOCKS
 from tests.faults import artifacts_path, scalar_steps, valid_artifacts
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,9 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.optimizer_graph import BLOCK_STEPS, TRIAL_BLOCKS, OptimizerGraph, Trial, settle_together
+from lightning_fuse.clipping import ClippingInUpdate
+from lightning_fuse.optimizer_graph import OptimizerGraph, settle_together
+from lightning_fuse.optimizer_trial import BLOCK_STEPS, TRIAL_BLOCKS, Trial
 from tests.faults import FakeOptimizerCapture, FakeTimer, fake_capture
 from tests.toy import ToyTask, trainer
 
@@ -42,13 +44,16 @@ class ScheduledTask(ToyTask):
 
 
 class InstallGraph(Callback):
-    """Installs a faked OptimizerGraph on the fit's optimizer when training starts."""
+    """Installs a faked OptimizerGraph on the fit's optimizer when training starts (``clipping``: taking Lightning's
+    gradient clipping into its update)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clipping: bool = False) -> None:
         self.graph: OptimizerGraph | None = None
+        self.clipping = clipping
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.graph = OptimizerGraph(trainer.optimizers[0], capture=fake_capture)
+        clipping = ClippingInUpdate(trainer.precision_plugin) if self.clipping else None
+        self.graph = OptimizerGraph(trainer.optimizers[0], capture=fake_capture, clipping=clipping)
         self.graph.install()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -73,6 +78,56 @@ def test_the_replayed_update_trains_as_the_optimizers_own(optimizer, accumulate)
         fit(task, [install], gradient_clip_val=0.1, accumulate_grad_batches=accumulate)
     fit(twin, gradient_clip_val=0.1, accumulate_grad_batches=accumulate)
     assert install.graph.replays >= 4
+    for got, want in zip(task.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+class LargestGradient(Callback):
+    """The largest gradient entry the update left, at every step."""
+
+    def __init__(self) -> None:
+        self.largest: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args) -> None:
+        self.largest.append(max(float(p.grad.abs().max()) for p in pl_module.parameters() if p.grad is not None))
+
+
+class SwitchingClip(ScheduledTask):
+    """Clips by norm at 0.1 for its first 6 steps, then at 0.05 (its own ``configure_gradient_clipping``)."""
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, 0.1 if self.global_step < 6 else 0.05, "norm")
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_lightnings_clipping_runs_inside_the_replayed_update_and_trains_the_same(algorithm):
+    """The replay clips its own gradient buffers: the parameters are those of a fit clipping in place, while the
+    ``.grad`` a replayed update leaves is unclipped (an entry above the clip), and an eager one's clipped (the
+    trial's eager blocks). Lightning clips through its precision plugin's ``clip_gradients``, which the graph takes
+    while installed and gives back."""
+    torch.manual_seed(0)
+    task = ScheduledTask("adamw")
+    twin = copy.deepcopy(task)
+    install, largest = InstallGraph(clipping=True), LargestGradient()
+    fit(task, [install, largest], gradient_clip_val=0.01, gradient_clip_algorithm=algorithm)
+    fit(twin, gradient_clip_val=0.01, gradient_clip_algorithm=algorithm)
+    assert install.graph.replays >= 4
+    unclipped = sum(entry > 0.0101 for entry in largest.largest)
+    assert unclipped == install.graph.replays, "each replayed step, and only those, clipped inside the update"
+    assert "clip_gradients" not in vars(task.trainer.precision_plugin)  # uninstalled: the plugin's own method
+    for got, want in zip(task.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_clipping_otherwise_than_the_capture_runs_the_optimizers_own_update_clipped():
+    torch.manual_seed(0)
+    task = SwitchingClip("sgd")
+    twin = copy.deepcopy(task)
+    install = InstallGraph(clipping=True)
+    fit(task, [install])
+    fit(twin)
+    steps = task.trainer.global_step
+    assert 2 <= install.graph.replays <= 5 < steps, "replays until the clipping changed at step 6, then none"
     for got, want in zip(task.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
