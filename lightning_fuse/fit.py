@@ -249,6 +249,9 @@ class FitState:
         recorded_now = self.tracker.recordings != self.step_recordings
         captured_now = graph is not None and graph.captured_during_last_call
         self.timer.stop(SKIPPED if compiled_now or recorded_now or captured_now else self.step_kind)
+        if compiled_now or recorded_now:  # a one-time cost, which the optimizer graph's trial leaves out too
+            for optimizer_graph in filter(None, self.optimizer_graphs):
+                optimizer_graph.leave_step_untimed()
         if self.profile is not None:
             self.profile.step_end()
         self.close_step_context()

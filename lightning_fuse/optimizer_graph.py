@@ -120,7 +120,7 @@ class OptimizerGraph:
         self._settings: list[dict[str, Any]] = []
         self._owner: tuple[Any, Any] = (None, None)
         self._last_mode: str | None = None
-        self._captured_in_last_step = False  # that step's time holds the capture
+        self._untimed_step = False  # the step running holds a capture, a compile or a recording: the trial skips it
         self._clipping = clipping
         self._in_closure = False
         self._pending_clip: tuple[ClipKey, Callable[[], None]] | None = None  # the closure's clipping, not yet run
@@ -286,7 +286,7 @@ class OptimizerGraph:
         try:
             params, grads = self._params, self._grads
             self._replay = self._capture_fn(lambda: self._with_graph_inputs(update, grads, params))
-            self._captured_in_last_step, self._captured_clip = True, key
+            self._untimed_step, self._captured_clip = True, key
         except Exception as err:  # noqa: BLE001 - a failed capture costs the graph, never the run
             self.release()
             self._disable(f"the capture failed ({describe_error(err)})")
@@ -353,9 +353,9 @@ class OptimizerGraph:
         and this one both ran under the plan, while the trial runs."""
         if self.trial.decided:
             return
-        if self._last_mode is not None and self.enabled and self.replays and not self._captured_in_last_step:
+        if self._last_mode is not None and self.enabled and self.replays and not self._untimed_step:
             self._timer.stop(self._last_mode)
-        self._captured_in_last_step = False
+        self._untimed_step = False
         self._timer.start()
         self.trial.advance(self._last_mode == GRAPH)
         if self.trial.due():
@@ -363,6 +363,11 @@ class OptimizerGraph:
             self.trial.measure(times.get(GRAPH, []), times.get(EAGER, []))
             if self.decides_alone and self.trial.measured is not None:
                 self.settle(self.trial.measured)
+
+    def leave_step_untimed(self) -> None:
+        """Keep the step running out of the trial: it compiled, or recorded one of torch's CUDA graphs (a one-time
+        cost that would land in one block of the trial and bias its verdict)."""
+        self._untimed_step = True
 
     def proposal(self) -> float | None:
         """This process's word for a shared verdict (:func:`settle_together`): its trial's ratio, ``inf`` where the

@@ -249,6 +249,23 @@ def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_m
     assert ("kept at 0.80x" in graph.describe()) if kept else ("dropped at 1.00x" in graph.describe())
 
 
+def test_steps_that_compiled_or_recorded_a_graph_are_left_out_of_the_trial():
+    """Every other step records (the fit says so at its end): only the others are timed."""
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+    timer = FakeTimer(4.0, eager_ms=5.0)
+    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=timer)
+    graph.install()
+    for i in range(1 + 2 * TRIAL_BLOCKS * BLOCK_STEPS):
+        step(net, optimizer)
+        if i % 2:
+            graph.leave_step_untimed()
+    assert graph.trial.measured is None and not graph.trial.decided, "half the steps timed: not enough yet"
+    for _ in range(2 * TRIAL_BLOCKS * BLOCK_STEPS):
+        step(net, optimizer)
+    assert graph.trial.decided and graph.trial.keep
+
+
 def test_the_trial_waits_for_enough_timed_steps():
     trial = Trial()
     trial.measure([4.0] * 3, [5.0] * 30)
