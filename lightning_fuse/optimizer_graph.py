@@ -81,8 +81,8 @@ class OptimizerGraph:
         timer: Times the trial's whole steps (one mark per ``step()`` call).
         decides_alone: Whether this process's trial decides (one process); ``False``: it only measures, and
             :meth:`settle` applies the verdict shared by rank zero (:func:`settle_together`).
-        clipping: Where Lightning's gradient clipping is handed to the graph (``None``: it runs where Lightning
-            runs it, before :meth:`install`'s step).
+        clipping: Where Lightning's gradient clipping is handed to the graph (``None``: Lightning clips in place,
+            before the update).
 
     Example::
 
@@ -201,7 +201,7 @@ class OptimizerGraph:
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The optimizer's ``step``: the closure (forward, backward, clipping), then the update."""
         self._time_trial()
-        loss = None
+        loss, self._pending_clip = None, None  # none left by a closure that raised
         if closure is not None:
             self._in_closure = self.enabled and self.disabled_reason is None
             try:

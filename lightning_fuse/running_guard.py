@@ -1,16 +1,16 @@
 """The running guard: a plan slower than eager over a window of steps is found out mid-epoch, not at its end.
 
-The plan is chosen on a few calls of one recorded input; a plan that then crawls in training (it recompiles, or
-records a new CUDA graph, at every new sequence length) would otherwise run a whole epoch before the epoch-end
-check drops it. :class:`RunningGuard` times, on the host clock, each step from its start to its end: the plan's
-steps (a step that compiled counts: a recompile at every new length is the crawl), and the eager reference's timed
-steps. A step in which torch's cudagraph trees recorded a graph counts as a step of its window, but its time is left
-out: the sizes recorded are capped per fit (:data:`~lightning_fuse.compiler.TREE_SIZES`), so recording is a
-one-time cost, and the recordings of a few lengths met close together would otherwise make one window of a plan
-that then replays at 5x eager read slower than eager. Every :data:`GUARD_WINDOW` steps it hands back the window's plan step times, which
-:func:`window_speedup` compares with eager's median step; the caller drops the plan below its margin. Windows
-are counted in steps since the plan was installed, the same on every rank, so a decision shared between ranks
-(one collective) falls on the same step everywhere.
+The plan is chosen on a few calls of one recorded input; a plan that then crawls in training (it recompiles at
+every new sequence length, say) would otherwise run a whole epoch before the epoch-end check drops it.
+:class:`RunningGuard` times, on the host clock, each step from its start to its end: the plan's steps (a step that
+compiled counts: a recompile at every new length is the crawl), and the eager reference's timed steps. A step in
+which torch's cudagraph trees recorded a graph counts as a step of its window, but its time is left out: the sizes
+recorded are capped per fit (:data:`~lightning_fuse.compiler.TREE_SIZES`), so recording is a one-time cost, and
+the recordings of a few lengths met close together would otherwise make a window of a plan that then replays at 5x
+eager read slower than eager. Every :data:`GUARD_WINDOW` steps the guard hands back the window's plan step times,
+which :func:`window_speedup` compares with eager's median step; the caller drops the plan below its margin.
+Windows are counted in steps since the plan was installed, the same on every rank, so a decision shared between
+ranks (one collective) falls on the same step everywhere.
 
 Example::
 
