@@ -8,7 +8,8 @@ An eager fit from the same seed in the same process gives ``eager_final_loss`` (
 ``param_gap``: how far apart the two fits' final parameters are, over how far eager's moved from the shared start
 (0: the same parameters; near 1: as far apart as training moves them). A single run's losses are a weak check: these
 short fits memorise random batches, and eager alone ends 10% apart between processes on the GPU. Each
-child's log (``--logs``) holds the profiled steps' 20 host operations that took the most CPU time.
+child's log (``--logs``) holds the profiled steps' 20 operations that took the most host time, and the 20 that took
+the most kernel time.
 On the GPU:
 
     python benchmarks/whole_step.py --budget-s 540
@@ -65,8 +66,10 @@ class KernelWindow(pl.Callback):
                        if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
             us = sum(e.time_range.end - e.time_range.start for e in kernels)
             self.floor_ms = us / 1e3 / self.count if kernels else None
-            # where the host time goes, for the child's log (--logs): what keeps the GPU idle
-            print(self.profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+            # for the child's log (--logs): where the host time goes (what keeps the GPU idle), and the kernel time
+            averages = self.profiler.key_averages()
+            print(averages.table(sort_by="self_cpu_time_total", row_limit=20))
+            print(averages.table(sort_by="self_device_time_total", row_limit=20))
 
 
 def measure(spec: dict) -> dict:
