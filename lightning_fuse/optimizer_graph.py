@@ -18,6 +18,9 @@ and as a measured choice:
   learning rate of each parameter group is a device tensor the graph reads, refilled when a scheduler changed the
   group's ``lr`` (which stays a float for everything else that reads it); Adam's step counters live on the device
   (``capturable=True``, which checkpoints do not keep: :meth:`OptimizerGraph.as_saved_without`).
+- **Which kernel.** Where the user left Adam's implementation to torch, the replay runs torch's fused kernel
+  (:func:`_fused_in_graph`): the foreach update under ``capturable=True`` launches two small kernels per parameter
+  beside its chunked ones. The eager updates keep the user's implementation.
 - **When it steps eagerly instead.** Eager reference steps (:attr:`enabled` off), a step whose set of parameters
   with gradients differs from the capture's, after the optimizer's other hyperparameters or its state were replaced
   (said once), and when the capture failed (said once): every such step is the optimizer's own, so a run never
@@ -116,6 +119,7 @@ class OptimizerGraph:
         self._params: list[nn.Parameter] = []
         self._grads: list[torch.Tensor] = []  # the graph's gradient buffers
         self._lrs: list[torch.Tensor] = []  # the graph's learning rates, one per group
+        self._fused: list[bool] = []  # per group: the graph updates with torch's fused kernel (_fused_in_graph)
         self._lr_seen: list[float] = []
         self._settings: list[dict[str, Any]] = []
         self._owner: tuple[Any, Any] = (None, None)
@@ -195,7 +199,8 @@ class OptimizerGraph:
         dropped_by_trial = self.trial.decided and not self.trial.keep  # the trial's verdict says why
         since = f"; eager since: {self.disabled_reason}" if self.disabled_reason and not dropped_by_trial else ""
         trial = self.trial.describe() if self.trial.decided or not self.disabled_reason else ""
-        return f"optimizer step: {self.replays} replays{trial}{since}"
+        kernel = " (torch's fused kernel)" if any(self._fused) else ""
+        return f"optimizer step: {self.replays} replays{kernel}{trial}{since}"
 
     # ------------------------------------------------------------------ the step
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -270,6 +275,7 @@ class OptimizerGraph:
         self._lrs = [torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
                      for group in self.optimizer.param_groups]  # fmt: skip
         self._lr_seen = [float(group["lr"]) for group in self.optimizer.param_groups]
+        self._fused = [_fused_in_graph(self.optimizer, group) for group in self.optimizer.param_groups]
         self._settings = [_settings(group) for group in self.optimizer.param_groups]
         self._owner = (self.optimizer.state, self.optimizer.param_groups)
 
@@ -295,20 +301,21 @@ class OptimizerGraph:
 
     def _with_graph_inputs(self, step: Callable[[], Any], grads: Sequence[torch.Tensor] | None,
                            params: Sequence[nn.Parameter] = ()) -> None:  # fmt: skip
-        """Run ``step()`` reading the graph's learning rates and, where given, its gradient buffers; every group's
-        ``lr`` and every parameter's ``.grad`` are as before afterwards."""
+        """Run ``step()`` reading the graph's learning rates and, where given, its gradient buffers, with torch's
+        fused kernel where :func:`_fused_in_graph` allows it; every group's ``lr`` and ``fused`` and every
+        parameter's ``.grad`` are as before afterwards."""
         groups = self.optimizer.param_groups
-        floats = [group["lr"] for group in groups]
+        saved = [(group["lr"], group["fused"]) for group in groups]
         held = [p.grad for p in params]
         try:
-            for group, lr in zip(groups, self._lrs, strict=True):
-                group["lr"] = lr
+            for group, lr, fused in zip(groups, self._lrs, self._fused, strict=True):
+                group["lr"], group["fused"] = lr, fused or group["fused"]
             for p, grad in zip(params, grads or (), strict=False):
                 p.grad = grad
             step()
         finally:
-            for group, lr in zip(groups, floats, strict=True):
-                group["lr"] = lr
+            for group, (lr, fused) in zip(groups, saved, strict=True):
+                group["lr"], group["fused"] = lr, fused
             for p, grad in zip(params, held, strict=True):
                 p.grad = grad
 
@@ -453,6 +460,17 @@ def _run(clip: Callable[[], None] | None) -> None:
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
     """A parameter group's hyperparameters but its parameters and learning rate."""
     return {key: value for key, value in group.items() if key not in ("params", "lr")}
+
+
+def _fused_in_graph(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
+    """Whether the graph updates ``group`` with torch's fused Adam kernel: where the user left the implementation
+    to torch (neither ``foreach`` nor ``fused`` set) and the parameters are real floating point on CUDA or the CPU.
+    The update is the same up to float rounding, and one launch per chunk of tensors, where the foreach update with
+    ``capturable=True`` launches two more kernels per parameter (its bias corrections); the eager updates keep
+    the user's implementation."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and group.get("foreach") is None
+            and group.get("fused") is None and not group.get("differentiable")
+            and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in group["params"]))  # fmt: skip
 
 
 def _set_capturable(optimizer: torch.optim.Optimizer, flags: Sequence[bool | None]) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback
 
 from lightning_fuse import FuseCallback
 from lightning_fuse.clipping import ClippingInUpdate
-from lightning_fuse.optimizer_graph import OptimizerGraph, settle_together
+from lightning_fuse.optimizer_graph import OptimizerGraph, _fused_in_graph, settle_together
 from lightning_fuse.optimizer_trial import BLOCK_STEPS, TRIAL_BLOCKS, Trial
 from tests.faults import FakeOptimizerCapture, FakeTimer, fake_capture
 from tests.toy import ToyTask, trainer
@@ -213,6 +213,47 @@ def test_uninstalling_leaves_the_optimizer_as_it_was():
     graph.install()
     graph.uninstall()
     assert "step" not in vars(bare)  # without a scheduler, the class's step again
+
+
+def test_the_graph_updates_with_torchs_fused_kernel_where_the_user_left_the_choice_to_torch(monkeypatch):
+    """An AdamW whose implementation the user left to torch: the warm-up and the replays run torch's fused kernel
+    (one launch per chunk of tensors), training as the optimizer's own update; the group keeps the user's choice."""
+    fused_calls = []
+    fused_adamw = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: fused_calls.append(1) or fused_adamw(*a, **k))
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 3)
+    twin = copy.deepcopy(net)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.05, weight_decay=0.1)
+    graph = OptimizerGraph(optimizer, capture=fake_capture)
+    graph.install()
+    for i in range(BLOCK_STEPS):  # the warm-up, then the capture and the replays of the trial's first block
+        step(net, optimizer, x=1.0 + i)
+    assert graph.replays == BLOCK_STEPS - 1 and "(torch's fused kernel)" in graph.describe()
+    assert len(fused_calls) == BLOCK_STEPS  # the warm-up and the replays
+    assert optimizer.param_groups[0]["fused"] is None and optimizer.param_groups[0]["foreach"] is None
+    for i in range(BLOCK_STEPS):
+        step(twin, twin_optimizer, x=1.0 + i)
+    assert len(fused_calls) == BLOCK_STEPS  # torch's own choice on the CPU: not fused
+    for got, want in zip(net.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("make", "fused_in_graph"),
+    [
+        (lambda p: torch.optim.AdamW(p), True),
+        (lambda p: torch.optim.Adam(p, amsgrad=True), True),
+        (lambda p: torch.optim.AdamW(p, foreach=True), False),
+        (lambda p: torch.optim.AdamW(p, fused=False), False),
+        (lambda p: torch.optim.AdamW(p, fused=True), False),  # fused already: nothing to switch
+        (lambda p: torch.optim.SGD(p, lr=0.1, fused=True), False),
+    ],
+)
+def test_only_an_adam_whose_implementation_the_user_left_to_torch_is_switched(make, fused_in_graph):
+    optimizer = make(torch.nn.Linear(2, 1).parameters())
+    assert _fused_in_graph(optimizer, optimizer.param_groups[0]) is fused_in_graph
 
 
 @pytest.mark.parametrize(
