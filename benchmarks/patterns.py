@@ -8,7 +8,12 @@ them is torch's cudagraph trees) for ``accumulate_clip``, and the recipe ``gpt``
 ``moe``. On the GPU:
 
     python benchmarks/patterns.py --patterns all --budget-s 540
+    python benchmarks/patterns.py --patterns varying_length --steps 230 --warmup 130 --budget-s 540
     python benchmarks/patterns.py --smoke --patterns moe,accumulate_clip --variants fuse   # CPU, the code path
+
+Varying lengths are timed past their one-time costs, as the second line does: 8 untimed passes over the 16 lengths
+hold every variant's compiles and graph recordings (torch's trees record a length at its second call, FuseCallback's
+at its third, after its plan search), which inside a 100-step fit would sit in the timed steps of one variant only.
 """
 
 from __future__ import annotations

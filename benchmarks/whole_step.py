@@ -1,6 +1,6 @@
 """How close does the step get to its kernels? The step time against the GPU's kernel time, per step.
 
-For the recipe GPT at batch 8, the recipe ResNet-18 at 16 and two zoo models at their small batch, each of
+For the recipe GPT at batch 8, the recipe ResNet-18 at 16 and four zoo models at their small batch, each of
 ``reduce_overhead`` and ``fuse`` (``FuseCallback(eager_steps=0)``: every step compiled) trains 200 steps with an
 LR scheduler stepping every step and ``gradient_clip_val=1.0``; then, in the same fit, ``torch.profiler`` records
 5 more steps: ``floor_ms`` is the sum of the CUDA kernels' durations per step, ``busy_frac`` = floor / step.
@@ -117,7 +117,8 @@ def parameter_gap(start: list[torch.Tensor], eager: list[torch.Tensor], other: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = harness.parser(__doc__, "whole_step.jsonl", models="gpt,resnet18,gpt2,resnet50", batches="small",
+    p = harness.parser(__doc__, "whole_step.jsonl", models="gpt,resnet18,gpt2,resnet50,mobilenet_v3_small,t5",
+                       batches="small",
                        variants=VARIANTS, steps=200, warmup=30)  # fmt: skip
     args = p.parse_args(argv)
     steps, warmup = (6, 2) if args.smoke else (args.steps, args.warmup)
