@@ -118,8 +118,7 @@ def parameter_gap(start: list[torch.Tensor], eager: list[torch.Tensor], other: l
 
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "whole_step.jsonl", models="gpt,resnet18,gpt2,resnet50,mobilenet_v3_small,t5",
-                       batches="small",
-                       variants=VARIANTS, steps=200, warmup=30)  # fmt: skip
+                       batches="small", variants=VARIANTS, steps=200, warmup=30)  # fmt: skip
     args = p.parse_args(argv)
     steps, warmup = (6, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "batch_size": batch, "variant": variant, "steps": steps, "warmup": warmup,

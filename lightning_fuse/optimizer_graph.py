@@ -465,9 +465,9 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
 def _fused_in_graph(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
     """Whether the graph updates ``group`` with torch's fused Adam kernel: where the user left the implementation
     to torch (neither ``foreach`` nor ``fused`` set) and the parameters are real floating point on CUDA or the CPU.
-    The update is the same up to float rounding, and one launch per chunk of tensors, where the foreach update with
-    ``capturable=True`` launches two more kernels per parameter (its bias corrections); the eager updates keep
-    the user's implementation."""
+    The update is the same up to float rounding, in one launch per chunk of tensors; the foreach update under
+    ``capturable=True`` adds two kernels per parameter (its bias corrections). The eager updates keep the user's
+    implementation."""
     return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and group.get("foreach") is None
             and group.get("fused") is None and not group.get("differentiable")
             and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in group["params"]))  # fmt: skip
