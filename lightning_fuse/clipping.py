@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from lightning_fuse import compat
+
 ClipKey = tuple[float, str]
 """What a clipping is: its value and its algorithm (``"norm"`` or ``"value"``)."""
 Defer = Callable[[ClipKey, Callable[[], None]], bool]
@@ -75,10 +77,7 @@ class ClippingInUpdate:
         """``optimizer``'s clipping runs in place again; with the last one, the plugin is as it was."""
         self._takers.pop(id(optimizer), None)
         if not self._takers and self._own is not None:
-            if getattr(self._own, "__func__", None) is type(self._precision).clip_gradients:
-                vars(self._precision).pop("clip_gradients", None)
-            else:
-                self._precision.clip_gradients = self._own
+            compat.restore_method(self._precision, "clip_gradients", self._own)
             self._own = None
 
     def _clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm") -> None:

@@ -762,13 +762,13 @@ def _pytree(name: str) -> Callable[..., Any]:
 
 def replace_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Callable[..., Any]:
     """Make ``step`` the optimizer's ``step`` (on the instance) and return the one it replaces, which
-    :func:`restore_optimizer_step` puts back. An LR scheduler's mark on the replaced one is kept.
+    :func:`restore_method` puts back. An LR scheduler's mark on the replaced one is kept.
 
     Example::
 
         >>> opt = torch.optim.SGD(torch.nn.Linear(1, 1).parameters(), lr=0.1)
         >>> before = replace_optimizer_step(opt, lambda closure=None: "mine")
-        >>> opt.step(), restore_optimizer_step(opt, before), opt.step()
+        >>> opt.step(), restore_method(opt, "step", before), opt.step()
         ('mine', None, None)
     """
     previous = optimizer.step
@@ -782,12 +782,13 @@ def replace_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[...,
     return previous
 
 
-def restore_optimizer_step(optimizer: torch.optim.Optimizer, previous: Callable[..., Any]) -> None:
-    """Undo :func:`replace_optimizer_step`: the instance's own ``step`` again where it had none."""
-    if getattr(previous, "__self__", None) is optimizer and getattr(previous, "__func__", None) is type(optimizer).step:
-        optimizer.__dict__.pop("step", None)
+def restore_method(owner: Any, name: str, previous: Callable[..., Any]) -> None:
+    """Undo a method replaced on an instance (:func:`replace_optimizer_step`, a precision plugin's
+    ``clip_gradients``): the class's method again where ``previous`` was it, else ``previous``."""
+    if previous == getattr(type(owner), name).__get__(owner):  # the class's own method, bound to ``owner``
+        vars(owner).pop(name, None)
     else:
-        optimizer.step = previous  # type: ignore[method-assign]
+        setattr(owner, name, previous)
 
 
 def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:

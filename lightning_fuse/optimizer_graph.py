@@ -166,7 +166,7 @@ class OptimizerGraph:
     def uninstall(self) -> None:
         """The optimizer as before :meth:`install`: its own ``step``, its ``capturable`` settings, no graph."""
         if self._previous_step is not None:
-            compat.restore_optimizer_step(self.optimizer, self._previous_step)
+            compat.restore_method(self.optimizer, "step", self._previous_step)
             self._previous_step = None
         if self._clipping is not None:
             self._clipping.remove(self.optimizer)
