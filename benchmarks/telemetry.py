@@ -9,7 +9,8 @@ with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats
 ``reference_cost`` is the ``FuseCallback()`` fit's last-epoch training time over the ``eager_steps=0`` fit's,
 minus 1 (what the reference steps cost). ``eager_ratio_in_run`` is the median of the ``FuseCallback()`` fit's
 pooled eager reference steps (the eager side of its last epoch's speedup) over the eager-only fits' median step in
-the last epoch: 1 when the in-run reference runs as fast as plain eager; ``reference_age`` is how many epochs old
+the last epoch: 1 when the in-run reference runs as fast as plain eager (``optimizer``: every fit's AdamW, fused or
+as torch chooses); ``reference_age`` is how many epochs old
 that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager_ratio_low``/``eager_ratio_high``
 is its 95% interval, and ``reference_steps`` how many reference steps it has. A default reference has a handful,
 too few to see a 3% difference in host-bound eager steps, so the dense fit measures the same ratio from many
@@ -17,6 +18,7 @@ too few to see a 3% difference in host-bound eager steps, so the dense fit measu
 the first's) says how far two plain eager fits of one process agree. On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
+    python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
     python benchmarks/telemetry.py --smoke --models gpt --batches small --epoch-steps 12   # CPU, the code path
 """
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from lightning_fuse import FuseCallback
 
-FIELDS = ("model", "batch_size", "epoch_steps", "logged", "logged_low", "logged_high", "independent",
+FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
           "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
           "eager_ratio_high", "reference_steps", "eager_ratio_dense", "eager_ratio_dense_low",
           "eager_ratio_dense_high", "eager_fits_ratio", "reference_age", "error")  # fmt: skip
@@ -73,7 +75,8 @@ def measure(spec: dict) -> dict:
     fits = {}
     for name, variant, fuse_kw in (("eager_1", "eager", {}), ("fuse", "fuse", {}), ("eager_2", "eager", {}),
                                    ("fuse_0", "fuse", {"eager_steps": 0}), ("fuse_dense", "fuse", DENSE)):  # fmt: skip
-        task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps)
+        task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps,
+                                    fused=spec.get("optimizer", "fused") == "fused")
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
         fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks,
                                     max_epochs=epochs), **models.fuse_info(callbacks),
@@ -104,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "telemetry.jsonl", models="gpt,resnet18", batches="small,large")
     p.add_argument("--epoch-steps", default="50,200,1000", help="steps per epoch, a comma list")
     p.add_argument("--epochs", type=int, default=2, help="epochs per fit; the last one counts")
+    p.add_argument("--optimizer", choices=("fused", "default"), default="fused",
+                   help="AdamW(fused=True), or AdamW() with torch's choice (foreach on CUDA), as most users write it")
     args = p.parse_args(argv)
     groups = [[{"model": model, "batch_size": batch, "epoch_steps": int(steps), "epochs": args.epochs,
-                "smoke": args.smoke}] for model, batch in models.regimes(args) for steps in args.epoch_steps.split(",")]
+                "optimizer": args.optimizer, "smoke": args.smoke}]
+              for model, batch in models.regimes(args) for steps in args.epoch_steps.split(",")]
     return harness.run(args, "telemetry.py", measure, FIELDS, groups)
 
 

@@ -17,7 +17,10 @@ and as a measured choice:
 - **What the replay reads.** The gradients are copied into the graph's own buffers (one ``_foreach_copy_``); the
   learning rate of each parameter group is a device tensor the graph reads, refilled when a scheduler changed the
   group's ``lr`` (which stays a float for everything else that reads it); Adam's step counters live on the device
-  (``capturable=True``, which checkpoints do not keep: :meth:`OptimizerGraph.as_saved_without`).
+  (``capturable=True``, which checkpoints do not keep: :meth:`OptimizerGraph.as_saved_without`). The eager
+  updates run as the user configured them, with the counters where the user keeps them
+  (:class:`~lightning_fuse.step_counters.StepCounters`), so that an eager reference step costs what the user's
+  own step costs.
 - **Which kernel.** Where the user left Adam's implementation to torch, the replay runs torch's fused kernel
   (:func:`_fused_in_graph`): the foreach update under ``capturable=True`` launches two small kernels per parameter
   beside its chunked ones. The eager updates keep the user's implementation.
@@ -56,6 +59,7 @@ from lightning_fuse import compat
 from lightning_fuse.clipping import ClipKey, ClippingInUpdate
 from lightning_fuse.compiler import describe_error
 from lightning_fuse.optimizer_trial import BLOCK_STEPS, EAGER, GRAPH, TRIAL_BLOCKS, Trial
+from lightning_fuse.step_counters import StepCounters
 from lightning_fuse.timing import StepTimer
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -113,7 +117,7 @@ class OptimizerGraph:
         self._capture_fn = capture
         self._timer = timer or StepTimer(_device_of(optimizer))
         self._previous_step: Callable[..., Any] | None = None
-        self._capturable = [group.get("capturable") for group in optimizer.param_groups]
+        self._counters = StepCounters(optimizer)  # the graph's configuration, or the user's for eager updates
         self._replay: Callable[[], None] | None = None
         self._warm = False  # one eager update in the capture's configuration ran
         self._params: list[nn.Parameter] = []
@@ -173,13 +177,14 @@ class OptimizerGraph:
         self.release()
 
     def release(self) -> None:
-        """Drop the graph and its buffers; Adam's step counters go back where the optimizer keeps them."""
+        """Drop the graph and its buffers; the optimizer's settings and step counters go back as the user had them."""
         self._replay, self._grads, self._lrs, self._warm = None, [], [], False
-        _set_capturable(self.optimizer, self._capturable)
+        self._counters.to_host()
 
     def as_saved_without(self, state: dict[str, Any]) -> None:
         """This optimizer's ``state_dict()`` as it would be without the graph: each group's ``capturable`` setting
-        as the user made it, so that a run resumed from the checkpoint steps as it would have.
+        as the user made it, and Adam's step counters where that setting keeps them, so that a run resumed from the
+        checkpoint steps as it would have.
 
         Example::
 
@@ -188,9 +193,7 @@ class OptimizerGraph:
             >>> state = opt.state_dict(); graph.as_saved_without(state); state["param_groups"][0]["capturable"]
             False
         """
-        for group, capturable in zip(state.get("param_groups", []), self._capturable, strict=False):
-            if capturable is not None:
-                group["capturable"] = capturable
+        self._counters.as_saved_by_user(state)
 
     def describe(self) -> str:
         """What became of the graph, for the fit's summary."""
@@ -238,6 +241,7 @@ class OptimizerGraph:
         if not self._warm:
             _run(clip)  # on the gradients, as Lightning would have
             return EAGER if self._warm_up() else self._eager_update(None)
+        self._counters.to_device()
         if not self.captured and not self._capture(key, clip):
             return self._eager_update(clip)
         grads = [p.grad for p in self._params]
@@ -246,11 +250,14 @@ class OptimizerGraph:
         compat.copy_tensors(self._grads, grads)
         self._refresh_lrs()
         self._replay()
+        self._counters.updated(self._params)
         self.replays += 1
         return GRAPH
 
     def _eager_update(self, clip: Callable[[], None] | None) -> str:
+        """The optimizer's own update, in the user's configuration (:class:`~lightning_fuse.step_counters.StepCounters`)."""
         _run(clip)
+        self._counters.to_host()
         self._previous_step()
         return EAGER
 
@@ -261,6 +268,7 @@ class OptimizerGraph:
         try:
             self._configure_for_capture()
             self._with_graph_inputs(self._previous_step, grads=None)
+            self._counters.updated(self._params)
         except Exception as err:  # noqa: BLE001 - the optimizer's own update runs instead
             self._disable(f"it refused to run as a CUDA graph needs ({describe_error(err)})")
             return False
@@ -268,7 +276,7 @@ class OptimizerGraph:
         return True
 
     def _configure_for_capture(self) -> None:
-        _set_capturable(self.optimizer, [True if c is not None else None for c in self._capturable])
+        self._counters.to_device()
         compat.silence_uncaptured_warning(self.optimizer)  # eager reference steps run uncaptured on purpose
         self._params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         device = self._params[0].device if self._params else torch.device("cpu")
@@ -458,8 +466,8 @@ def _run(clip: Callable[[], None] | None) -> None:
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's hyperparameters but its parameters and learning rate."""
-    return {key: value for key, value in group.items() if key not in ("params", "lr")}
+    """A parameter group's hyperparameters but its parameters, learning rate and ``capturable`` (set by the graph)."""
+    return {key: value for key, value in group.items() if key not in ("params", "lr", "capturable")}
 
 
 def _fused_in_graph(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:
@@ -471,20 +479,6 @@ def _fused_in_graph(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> 
     return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and group.get("foreach") is None
             and group.get("fused") is None and not group.get("differentiable")
             and all(p.is_floating_point() and p.device.type in ("cuda", "cpu") for p in group["params"]))  # fmt: skip
-
-
-def _set_capturable(optimizer: torch.optim.Optimizer, flags: Sequence[bool | None]) -> None:
-    """Set each group's ``capturable`` (``None``: the optimizer has no such setting) and move Adam's step counters
-    where that setting wants them: on the parameter's device, or on the CPU where neither capturable nor fused."""
-    for group, flag in zip(optimizer.param_groups, flags, strict=True):
-        if flag is None or group.get("capturable") == flag:
-            continue
-        group["capturable"] = flag
-        on_device = flag or group.get("fused")
-        for p in group["params"]:
-            step = optimizer.state.get(p, {}).get("step")
-            if isinstance(step, torch.Tensor):
-                optimizer.state[p]["step"] = step.to(p.device if on_device else "cpu")
 
 
 def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
