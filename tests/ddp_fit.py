@@ -40,7 +40,7 @@ if __name__ == "__main__":
         "losses": task.losses,
         "plan": fuse.plan.name,
         "trials": [(t.name, t.outcome) for t in fuse.decision.trials],
-        "compiled_second_step": probe.compiled_per_step[1],
+        "compiled_per_step": probe.compiled_per_step,
         "compiles": fuse.tracker.total_compiles,
         "history_epochs": [row["epoch"] for row in fuse.history],
         "cache_loaded": fuse.cache.loaded,
