@@ -255,7 +255,7 @@ class OptimizerGraph:
         return GRAPH
 
     def _eager_update(self, clip: Callable[[], None] | None) -> str:
-        """The optimizer's own update, in the user's configuration (:class:`~lightning_fuse.step_counters.StepCounters`)."""
+        """The optimizer's own update, as the user configured it (:mod:`~lightning_fuse.step_counters`)."""
         _run(clip)
         self._counters.to_host()
         self._previous_step()
