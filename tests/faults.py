@@ -3,6 +3,7 @@ TensorBoard reads, an optimizer capture and trial timer faked on CPU."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import shutil
@@ -16,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import lightning_fuse
 from lightning_fuse import FuseCallback
+from lightning_fuse.optimizer_graph import OptimizerGraph
 from lightning_fuse.optimizer_trial import EAGER, GRAPH
 from tests.toy import RecordingTask, trainer
 
@@ -89,6 +91,21 @@ def scalar_steps(logdir: Path, tag: str) -> list[int]:
 def fake_capture(update):
     """An optimizer capture on CPU: the "replay" runs the update again, reading the graph's inputs."""
     return update
+
+
+def default_adamw_under_graph() -> tuple[torch.nn.Module, torch.optim.Optimizer, OptimizerGraph,
+                                          torch.nn.Module, torch.optim.Optimizer]:  # fmt: skip
+    """A ``Linear(2, 3)`` whose ``AdamW`` leaves its implementation to torch, under an installed OptimizerGraph
+    (capture faked), and its twin from the same start with a plain ``AdamW``: ``net, optimizer, graph, twin,
+    twin_optimizer``."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(2, 3)
+    twin = copy.deepcopy(net)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.05, weight_decay=0.1)
+    graph = OptimizerGraph(optimizer, capture=fake_capture)
+    graph.install()
+    return net, optimizer, graph, twin, twin_optimizer
 
 
 class FakeOptimizerCapture(Callback):

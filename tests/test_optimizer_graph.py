@@ -21,7 +21,7 @@ from lightning_fuse import FuseCallback
 from lightning_fuse.clipping import ClippingInUpdate
 from lightning_fuse.optimizer_graph import OptimizerGraph, _fused_in_graph, settle_together
 from lightning_fuse.optimizer_trial import BLOCK_STEPS, TRIAL_BLOCKS, Trial
-from tests.faults import FakeOptimizerCapture, FakeTimer, fake_capture
+from tests.faults import FakeOptimizerCapture, FakeTimer, default_adamw_under_graph, fake_capture
 from tests.toy import ToyTask, trainer
 
 OPTIMIZERS = {
@@ -221,13 +221,7 @@ def test_the_graph_updates_with_torchs_fused_kernel_where_the_user_left_the_choi
     fused_calls = []
     fused_adamw = torch._fused_adamw_
     monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: fused_calls.append(1) or fused_adamw(*a, **k))
-    torch.manual_seed(0)
-    net = torch.nn.Linear(2, 3)
-    twin = copy.deepcopy(net)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
-    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.05, weight_decay=0.1)
-    graph = OptimizerGraph(optimizer, capture=fake_capture)
-    graph.install()
+    net, optimizer, graph, twin, twin_optimizer = default_adamw_under_graph()
     for i in range(BLOCK_STEPS):  # the warm-up, then the capture and the replays of the trial's first block
         step(net, optimizer, x=1.0 + i)
     assert graph.replays == BLOCK_STEPS - 1 and "(torch's fused kernel)" in graph.describe()

@@ -7,13 +7,10 @@ runs with the user's ``capturable`` setting (under the graph's, torch's foreach 
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
-from lightning_fuse.optimizer_graph import OptimizerGraph
 from lightning_fuse.step_counters import StepCounters
-from tests.faults import fake_capture
+from tests.faults import default_adamw_under_graph
 
 
 def train_step(net: torch.nn.Module, optimizer: torch.optim.Optimizer, x: float) -> None:
@@ -26,13 +23,7 @@ def test_eager_updates_between_replays_run_as_the_user_configured_them_and_train
     """Eager reference steps among replays (a default AdamW): each eager update sees ``capturable=False`` and host
     counters; the replays keep reading the same counter tensors, which hold the count; the parameters and counts
     end as a plain AdamW's."""
-    torch.manual_seed(0)
-    net = torch.nn.Linear(2, 3)
-    twin = copy.deepcopy(net)
-    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
-    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=0.05, weight_decay=0.1)
-    graph = OptimizerGraph(optimizer, capture=fake_capture)
-    graph.install()
+    net, optimizer, graph, twin, twin_optimizer = default_adamw_under_graph()
     graph.trial.settle(0.5)  # kept: only the reference steps update eagerly (the trial's eager blocks alike)
     seen: list[tuple[bool, float]] = []  # (capturable, the weight's count) at each update the optimizer runs
     optimizer.register_step_pre_hook(
