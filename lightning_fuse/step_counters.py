@@ -108,7 +108,7 @@ class StepCounters:
             if user is None:
                 continue
             saved["capturable"] = user
-            if user is False and not group.get("fused"):
+            if _on_host(group, user):
                 for index in saved["params"]:
                     entry = state["state"].get(index, {})
                     step = entry.get("step")
@@ -130,6 +130,12 @@ class StepCounters:
                 group["capturable"] = user if flag is None else flag
 
     def _moved_params(self) -> list[nn.Parameter]:
-        """The parameters whose counters the user keeps on the host (``capturable`` and ``fused`` both off)."""
+        """The parameters whose counters the user keeps on the host."""
         groups = zip(self.optimizer.param_groups, self.user_capturable, strict=False)
-        return [p for group, user in groups if user is False and not group.get("fused") for p in group["params"]]
+        return [p for group, user in groups if _on_host(group, user) for p in group["params"]]
+
+
+def _on_host(group: dict[str, Any], user_capturable: bool | None) -> bool:
+    """Whether the user's configuration keeps ``group``'s step counters on the host (``capturable`` and ``fused``
+    both off)."""
+    return user_capturable is False and not group.get("fused")
