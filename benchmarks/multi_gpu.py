@@ -2,7 +2,11 @@
 
 Each (model, strategy, batch, variant) is one launch: Lightning starts the second process itself
 (``Trainer(devices=2, strategy="ddp"|"fsdp")``, FSDP with one unit per repeated block). ``batch_size`` is per
-rank; ``step_ms`` is rank 0's median step after the warmup. On a machine with 2 GPUs:
+rank; ``step_ms`` is rank 0's median step after the warmup. The networks run without dropout, so that every
+variant's losses can be held against eager's: ``loss_ranks`` is each rank's mean loss over the last steps,
+``loss_curve`` rank 0's mean loss over each fifth of the fit. A ``fuse`` record adds what FuseCallback logged on
+rank zero for the last epoch: ``speedup_logged`` and each rank's GPU utilisation (``gpu_util_ranks``, %). On a
+machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --smoke --models gpt --variants eager,fuse   # CPU: gloo, 2 processes
@@ -10,32 +14,80 @@ rank; ``step_ms`` is rank 0's median step after the warmup. On a machine with 2 
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+from typing import Any
 
 import harness
+import lightning.pytorch as pl
 import models
+import torch
 from lightning.pytorch.strategies import FSDPStrategy
+from torch import nn
 
-FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "final_loss", "plan", "ran", "search",
-          "error")
+FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "final_loss", "loss_ranks",
+          "loss_curve", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search", "error")  # fmt: skip
 VARIANTS = models.VARIANTS
+CURVE_POINTS = 5
+"""``loss_curve``: the fit's steps in this many blocks, each block's mean loss."""
+
+
+class RankLosses(pl.Callback):
+    """Every rank's training losses (copied, with no sync per step), gathered on every rank at the fit's end."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.ranks: list[float] = []
+        self.curve: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:  # fmt: skip
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.losses.append(loss.detach().float().clone())  # a CUDA graph's output is overwritten next step
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.losses:
+            return
+        losses = torch.stack(self.losses)
+        last = losses[-harness.LOSS_WINDOW :].mean()
+        self.ranks = trainer.strategy.all_gather(last).flatten().tolist()  # a collective: every rank calls it
+        self.curve = [float(block.mean()) for block in losses.tensor_split(min(CURVE_POINTS, len(losses)))]
+
+
+def without_dropout(net: nn.Module) -> None:
+    """Dropout off, so that a variant's losses follow eager's step by step (its random masks never would)."""
+    for module in net.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def fuse_scalars(history: list[dict]) -> dict[str, Any]:
+    """What FuseCallback logged for the last epoch on rank zero: its speedup and each rank's GPU utilisation."""
+    last = history[-1] if history else {}
+    ranks = sorted((int(key.rsplit("rank", 1)[1]), value) for key, value in last.items() if "gpu_util_rank" in key)
+    return {"speedup_logged": last.get("fuse/speedup"), "gpu_util_ranks": [value for _, value in ranks] or None}
 
 
 def measure(spec: dict) -> dict:
     """One multi-process fit (this process is rank 0; Lightning re-runs this command for rank 1)."""
     task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"])
+    without_dropout(task.model)
     strategy = spec["strategy"]
     if strategy == "fsdp":
         blocks = {type(block) for block in models.repeated_blocks(task.model)} - {type(task.model)}
         strategy = FSDPStrategy(auto_wrap_policy=blocks or None)
     started = time.perf_counter()
     callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"])
+    losses = RankLosses()
     device = {"accelerator": "cpu"} if spec["smoke"] else {}  # gloo on CPU
-    result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=callbacks,
+    result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=[*callbacks, losses],
                          started=started, devices=spec["world_size"], strategy=strategy,
                          use_distributed_sampler=False, **device)  # fmt: skip
-    return {**result, **models.fuse_info(callbacks)}
+    info = models.fuse_info(callbacks)
+    scalars = fuse_scalars(info["history"]) if spec["variant"] == "fuse" else {}
+    return {**result, **info, **scalars, "loss_ranks": losses.ranks or None, "loss_curve": losses.curve or None}
 
 
 def main(argv: list[str] | None = None) -> int:

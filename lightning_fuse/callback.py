@@ -183,7 +183,7 @@ class FuseCallback(Callback):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         compat.check_private_apis()
-        self.fit = start_fit(self.options, pl_module, world_size=trainer.world_size, sharded=_is_sharded(trainer),
+        self.fit = start_fit(self.options, pl_module, world_size=trainer.world_size,
                              precision=trainer.precision_plugin)  # fmt: skip
         self.fit.cache = start_cache(self.options, self.fit, trainer.strategy.barrier)
         rank_zero_info(plan_line(self.fit, pl_module))
@@ -321,11 +321,6 @@ class FuseCallback(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.history = [dict(row) for row in state_dict.get("history", [])]
         self.resumed_plan = state_dict.get("plan")
-
-
-def _is_sharded(trainer: pl.Trainer) -> bool:
-    """FSDP shards parameters: the network cannot be run outside its wrapper, so no plan is measured there."""
-    return "fsdp" in type(trainer.strategy).__name__.lower()
 
 
 def _below(speedup: float) -> str:

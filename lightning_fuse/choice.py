@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_fuse import compat
@@ -33,7 +34,7 @@ from lightning_fuse.compiler import changes_in_training
 from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
 from lightning_fuse.optimizer_graph import SETTLE_EVERY, install_optimizer_graphs, settle_together
 from lightning_fuse.plan import for_varying_shapes
-from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
+from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox, through_wrapper
 from lightning_fuse.shapes import mark_dims, mark_region_inputs
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
     else:
         fit.decision_file = _decision_file(fit)
         cached = fit.decision_file.load([p.name for p in fit.candidates]) if fit.decision_file else None
-        fit.decision = cached or _search(fit, trainer)
+        fit.decision = cached or _search(fit, trainer, pl_module)
         plan = next(p for p in fit.candidates if p.name == fit.decision.winner)
         plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
         announce(fit.decision, trainer.loggers if trainer.is_global_zero else [])
@@ -104,12 +105,16 @@ def _decision_file(fit: FitState) -> DecisionFile | None:
     return DecisionFile(fit.cache.directory, decision_key(fit.recorded, fit.varying_dims, fit.setting.world_size))
 
 
-def _search(fit: FitState, trainer: pl.Trainer) -> Decision:
+def _search(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
     module = fit.setting.target[1]
     args, kwargs = fit.recorded
     cuda = fit.setting.device.type == "cuda"
+    # FSDP (Lightning's FSDPStrategy) shards the parameters outside its units, and its root unit, which wraps the
+    # LightningModule, gathers them only in its own forward: the trials run there, as training steps do. DDP's
+    # wrapper stays out: its all-reduce would need every parameter in each trial's loss
+    within = through_wrapper(trainer.strategy.model, pl_module) if isinstance(trainer.strategy, FSDPStrategy) else None
     call = TrialCall(module, args, kwargs, context=trainer.precision_plugin.forward_context,
-                     synchronize=torch.cuda.synchronize if cuda else lambda: None)  # fmt: skip
+                     synchronize=torch.cuda.synchronize if cuda else lambda: None, within=within)  # fmt: skip
     # the trial's inputs are detached copies: give them the batch's dynamic dims, or the candidates compile for
     # other shapes than training then calls them with (one recompile of every candidate, at its first step)
     mark_region_inputs(compat.tree_leaves((call.args, call.kwargs)), fit.setting.policy.dynamic_sizes)

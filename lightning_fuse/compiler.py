@@ -140,6 +140,10 @@ class RegionPolicy:
     on_recompile_limit: str = "eager"
     dynamic_sizes: set[tuple[int, int]] = field(default_factory=set)
     """The batch's ``(dim, size)`` pairs marked dynamic this step; carried onto region inputs."""
+    as_called: Callable[[nn.Module, tuple, dict], tuple[tuple, dict]] = field(default=lambda module, *call: call)
+    """``(module, args, kwargs) -> (args, kwargs)``: a call as the module's forward receives it, after the forward
+    pre-hooks FuseCallback installs (``use_cache=False``: :class:`~lightning_fuse.kv_cache.NoCacheInTraining`). The
+    verification's eager reference runs the forward alone, so it must be handed what the hooks made of the call."""
 
 
 class CompiledRegion:
@@ -243,6 +247,7 @@ class CompiledRegion:
         out = self._guarded_call(mode, args, kwargs)
         if self.fallback_reason is not None:
             return out
+        args, kwargs = self.policy.as_called(module, args, kwargs)  # not under no_grad: as the hooks saw it
         with torch.no_grad():
             reference = module.forward(*args, **kwargs)  # not _call_impl: hooks already ran once
         self._verified.add(mode)

@@ -75,6 +75,25 @@ class NoCacheInTraining:
             self._handle.remove()
             self._handle = None
 
+    def as_called(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call as ``module``'s forward receives it, this hook having run (for a check that calls the forward
+        alone).
+
+        Example::
+
+            >>> class Net(torch.nn.Module):
+            ...     config = type("Config", (), {"use_cache": True})()
+            ...     def forward(self, x, use_cache=None):
+            ...         return x
+            >>> net = Net()
+            >>> no_cache = NoCacheInTraining(net)
+            >>> no_cache.install()
+            >>> no_cache.as_called(net, (1,), {}), no_cache.as_called(net, (1,), {"use_cache": True})
+            (((1,), {'use_cache': False}), ((1,), {'use_cache': True}))
+        """
+        changed = self._no_cache(module, args, kwargs) if module is self.module and self._handle is not None else None
+        return changed or (args, kwargs)
+
     def _no_cache(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if not (self.enabled and module.training and torch.is_grad_enabled()) or kwargs.get("use_cache") is not None:
             return None

@@ -337,7 +337,9 @@ def user_compiled(root: nn.Module) -> list[nn.Module]:
 def candidates(setting: Setting) -> list[Plan]:
     """The plans worth measuring for this device and process count, most promising first (eager always first).
 
-    CUDA graphs need one process (gradients of several sync outside any graph) and a CUDA device.
+    CUDA graphs need one process (gradients of several sync outside any graph) and a CUDA device. With several
+    processes ``compile`` is always measured: it is the one plan that also compiles what lies between and around
+    the regions (embeddings, the head, the loss), and no graph plan stands in for it there.
     """
     plans: list[Plan] = [Plan()]
     graphs = setting.device.type == "cuda" and setting.world_size == 1
@@ -356,6 +358,8 @@ def candidates(setting: Setting) -> list[Plan]:
         plans.append(Regions(setting, graph=False))
     if not whole_is_regions:
         plans.append(Whole(setting, None))
+        if setting.world_size > 1:
+            plans[-1].dominated_by = ()
     return plans
 
 

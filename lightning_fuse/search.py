@@ -212,6 +212,8 @@ class TrialCall:
         kwargs: Its keyword inputs.
         context: A context every call runs under (the Trainer's precision, e.g. autocast).
         synchronize: Called after each backward, so a host clock sees the device's work.
+        within: ``run(forward) -> loss``: where the forward runs, for a strategy that must wrap it (FSDP gathers its
+            sharded parameters in its wrapper's forward: :func:`through_wrapper`); ``None``: called directly.
 
     Example::
 
@@ -227,11 +229,13 @@ class TrialCall:
     def __init__(
         self, module: nn.Module, args: tuple, kwargs: dict, context: Callable[[], Any] | None = None,
         synchronize: Callable[[], None] = lambda: None,
+        within: Callable[[Callable[[], torch.Tensor | None]], torch.Tensor | None] | None = None,
     ) -> None:  # fmt: skip
         self.module = module
         self.args, self.kwargs = detached((args, kwargs))
         self._context = context
         self._synchronize = synchronize
+        self._within = within or (lambda forward: forward())
         self._loss = torch.zeros(())
 
     def __call__(self) -> None:
@@ -243,8 +247,7 @@ class TrialCall:
         for param in self.module.parameters():
             param.grad = None
         with self._context() if self._context else _nothing():
-            out = self.module(*self.args, **self.kwargs)
-        loss = trial_loss(out)
+            loss = self._within(lambda: trial_loss(self.module(*self.args, **self.kwargs)))
         if loss is not None:
             loss.backward()
         self._loss = loss.detach() if loss is not None else torch.zeros(())
@@ -253,6 +256,42 @@ class TrialCall:
         """The last call's loss and the gradient norm it left."""
         grads = [p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]
         return self._loss, torch.stack(grads).norm() if grads else torch.zeros(())
+
+
+def through_wrapper(wrapper: nn.Module, inner: nn.Module) -> Callable[[Callable[[], Any]], Any]:
+    """``run(forward)``: ``forward()`` called by ``wrapper``'s forward where it would call ``inner``'s, as Lightning
+    runs a training step under FSDP: the wrapper gathers the parameters it shards before, and its hooks reduce the
+    gradients in the backward after. ``inner``'s own forward is back when ``run`` returns.
+
+    Example::
+
+        >>> class Wrapper(nn.Module):  # as FSDP's root wraps the LightningModule
+        ...     def __init__(self, inner):
+        ...         super().__init__()
+        ...         self.inner = inner
+        ...     def forward(self, *args):
+        ...         print("gathered")
+        ...         return self.inner(*args)
+        >>> inner = nn.Linear(2, 2)
+        >>> through_wrapper(Wrapper(inner), inner)(lambda: "the trial's forward")
+        gathered
+        "the trial's forward"
+        >>> "forward" in vars(inner)
+        False
+    """
+
+    def run(forward: Callable[[], Any]) -> Any:
+        own = vars(inner).get("forward")  # a forward the user set on the instance, if any
+        inner.forward = lambda *args, **kwargs: forward()
+        try:
+            return wrapper()
+        finally:
+            if own is None:
+                del inner.forward
+            else:
+                inner.forward = own
+
+    return run
 
 
 def trial_loss(out: Any) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ Example::
     ...         super().__init__()
     ...         self.blocks = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     >>> task = Task()
-    >>> fit = start_fit(FuseOptions(backend="eager", cache_dir=False), task, world_size=1, sharded=False,
+    >>> fit = start_fit(FuseOptions(backend="eager", cache_dir=False), task, world_size=1,
     ...                 precision=Precision())
     >>> plan_line(fit, task).splitlines()[0]
     'FuseCallback: the plan will be chosen by measurement after step 3 among: eager, regions, compile'
@@ -47,7 +47,7 @@ SHAPE_STEPS = 3
 """Eager steps, at least, before the plan search: their network inputs tell whether the shapes vary."""
 
 
-def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size: int, sharded: bool,
+def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size: int,
               precision: Precision) -> FitState:  # fmt: skip
     """A fit's state at its start: the candidates built, the timer and schedule ready, inputs being recorded.
 
@@ -55,11 +55,10 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
         options: FuseCallback's options.
         pl_module: The LightningModule being fit.
         world_size: The number of processes.
-        sharded: Whether the strategy shards the parameters (FSDP): then no plan is measured.
         precision: The Trainer's precision plugin.
     """
     setting = fit_setting(options, pl_module, world_size)
-    fit = _with_candidates(options, setting, pl_module, sharded)
+    fit = _with_candidates(options, setting, pl_module)
     fit.buckets = PadToBuckets(options.pad_buckets) if options.pad_buckets else None
     start_measuring(fit, pl_module.device)
     fit.activation_step = max(fit.schedule.start_length, SHAPE_STEPS if fit.searching else 0)
@@ -69,6 +68,7 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
     fit.tracker.install()
     fit.no_cache = NoCacheInTraining(setting.target[1])
     fit.no_cache.install()
+    setting.policy.as_called = fit.no_cache.as_called
     fit.start_recording()
     scaler = getattr(precision, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
     fit.guard = BackwardGuard(fit.drop_plan, precision.forward_context,
@@ -78,11 +78,10 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
     return fit
 
 
-def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.LightningModule, sharded: bool) -> FitState:
+def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.LightningModule) -> FitState:
     """A new fit's state with its candidate plans: the user's own compile, the plans the search will measure, or
     the one plan explicit settings force."""
     searching = options.mode == AUTO and options.cuda_graph == AUTO and options.targets in (AUTO, (AUTO,))
-    searching = searching and not sharded
     precompiled = user_compiled(pl_module)
     fit = FitState(options=options, setting=setting, searching=searching and not precompiled, tracker=setting.tracker)
     if precompiled:

@@ -267,3 +267,14 @@ def test_the_search_replays_the_call_as_the_training_step_makes_it(monkeypatch):
     monkeypatch.setattr(choice_module, "TrialCall", Spy)
     fit(lambda: HFTask(tiny_gpt2()), [fuse()])
     assert seen and sorted(seen[0]) == ["attention_mask", "input_ids", "labels"]
+
+
+def test_the_whole_network_compiled_is_checked_against_eager_called_as_its_hooks_call_it(monkeypatch):
+    """A compiled region's first output is checked against its eager forward run alone, without the hooks: the
+    check must be handed ``use_cache=False`` as the hook handed it to the compiled call. It was not, and a causal
+    LM without dropout (checked in training) compiled whole fell back: "2 outputs against 3 from eager"."""
+    pin_search(monkeypatch, "compile")
+    cb = fuse()
+    fit(lambda: HFTask(tiny_gpt2()), [cb])
+    assert cb.decision.winner == "compile", cb.decision.lines()
+    assert cb.plan.name == "compile" and not cb.fallbacks, cb.fallbacks

@@ -38,7 +38,11 @@ def test_candidates_per_device_and_process_count():
     cuda = [p.name for p in candidates(setting_for(task, CUDA))]
     assert cuda == ["eager", "regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+trees", "regions",
                     "compile"]
-    assert [p.name for p in candidates(setting_for(task, CUDA, world_size=2))] == ["eager", "regions", "compile"]
+    several = {p.name: p for p in candidates(setting_for(task, CUDA, world_size=2))}
+    assert list(several) == ["eager", "regions", "compile"]
+    # alone, regions faster than eager spare compiling the whole network; with several processes both are measured
+    assert "regions" in candidates(setting_for(task))[-1].dominated_by
+    assert several["compile"].dominated_by == ()
 
 
 def test_whole_network_candidate_is_not_repeated_when_the_regions_are_the_whole_network():

@@ -7,7 +7,7 @@ import torch
 from lightning_fuse import FuseCallback
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
-from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox
+from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox, through_wrapper
 from tests.toy import ToyTask
 
 
@@ -142,6 +142,42 @@ def test_a_trial_backpropagates_the_models_own_loss_and_computes_no_norm_until_a
         grads = torch.autograd.grad(expected, list(net.parameters()))
     assert torch.allclose(loss, expected.detach())  # the logits' mean is not added to the model's own loss
     assert torch.allclose(norm, torch.stack([g.norm() for g in grads]).norm())
+
+
+class Root(torch.nn.Module):
+    """A stand-in for FSDP's root unit: it gathers the parameters it shards for its forward alone."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.gathered = inner, False
+
+    def forward(self, *args, **kwargs):
+        self.gathered = True
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.gathered = False
+
+
+def test_under_fsdp_a_trial_runs_inside_the_root_units_forward_and_leaves_the_lightning_module_as_it_was():
+    net = torch.nn.Linear(2, 1)
+    task = torch.nn.Module()  # the LightningModule, which the root wraps
+    task.net = net
+    root = Root(task)
+    inside = []
+    net.register_forward_pre_hook(lambda module, args: inside.append(root.gathered))
+    call = TrialCall(net, (torch.ones(3, 2),), {}, within=through_wrapper(root, task))
+    with sandbox(net):
+        call()
+        loss, _ = call.last()
+        assert inside == [True] and net.weight.grad is not None
+        assert torch.allclose(loss, net(torch.ones(3, 2)).mean())  # the network's output, not the root's
+    assert "forward" not in vars(task)  # the class's forward again
+
+    wrong = TrialCall(net, (torch.ones(3, 5),), {}, within=through_wrapper(root, task))
+    with pytest.raises(RuntimeError):
+        wrong()
+    assert "forward" not in vars(task) and not root.gathered
 
 
 def test_a_candidate_failing_on_another_rank_is_dropped_and_rank_zero_times_decide():
