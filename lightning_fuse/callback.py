@@ -244,8 +244,16 @@ class FuseCallback(Callback):
         metrics["fuse/plan_dropped"] = float(fit.dropped is not None)  # dropped at this epoch's end: this epoch's
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
         log_epoch(metrics, trainer.loggers, trainer.current_epoch)
-        if "fuse/speedup" in metrics:
-            pl_module.log("fuse/speedup", metrics["fuse/speedup"], prog_bar=True, logger=False)
+        self._show_speedup(trainer, pl_module, metrics.get("fuse/speedup"))
+
+    @staticmethod
+    def _show_speedup(trainer: pl.Trainer, pl_module: pl.LightningModule, speedup: float | None) -> None:
+        """The progress bar's ``fuse/speedup``: rank zero's, on every rank alike (Lightning reduces an epoch-level
+        value across ranks, a collective, and warns when it is not asked to)."""
+        several = trainer.world_size > 1
+        speedup = trainer.strategy.broadcast(speedup) if several else speedup
+        if speedup is not None:
+            pl_module.log("fuse/speedup", speedup, prog_bar=True, logger=False, sync_dist=several)
 
     def _drop_plan_if_slower(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
         """With ``mode="auto"``, a plan the epoch measured slower than eager is dropped: below the margin, or with

@@ -389,6 +389,19 @@ def test_the_speedup_reaches_the_progress_bar():
     assert t.progress_bar_metrics["fuse/speedup"] == pytest.approx(fuse.history[0]["fuse/speedup"])
 
 
+def test_with_several_processes_every_rank_shows_rank_zeros_speedup_reduced_as_lightning_asks():
+    """Lightning reduces an epoch-level value across ranks only when asked (``sync_dist``), and warns otherwise; the
+    reduction is a collective, so every rank must log: rank zero's speedup, broadcast."""
+    logged = []
+    module = SimpleNamespace(log=lambda name, value, **kwargs: logged.append((name, value, kwargs)))
+    ranks = SimpleNamespace(world_size=2, strategy=SimpleNamespace(broadcast=lambda value: 1.5))
+    FuseCallback._show_speedup(ranks, module, 1.2)  # this rank measured 1.2, rank zero 1.5
+    alone = SimpleNamespace(world_size=1, strategy=None)
+    FuseCallback._show_speedup(alone, module, 1.2)
+    FuseCallback._show_speedup(alone, module, None)
+    assert [(value, kwargs["sync_dist"]) for _, value, kwargs in logged] == [(1.5, True), (1.2, False)]
+
+
 def test_one_callback_fits_twice_and_each_fit_logs_its_own_scalars(tmp_path):
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=4)
     for version in (0, 1):
