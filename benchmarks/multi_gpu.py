@@ -14,7 +14,6 @@ machine with 2 GPUs:
 
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from typing import Any
