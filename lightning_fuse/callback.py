@@ -240,31 +240,34 @@ class FuseCallback(Callback):
             return
         gather = trainer.strategy.all_gather if trainer.world_size > 1 else None
         metrics = end_epoch(fit, trainer.current_epoch, pl_module.device, gather)
-        self._drop_plan_if_slower(trainer, metrics)
+        speedup, high = self._rank_zeros(trainer, metrics)
+        self._drop_plan_if_slower(trainer.current_epoch, speedup, high)
         metrics["fuse/plan_dropped"] = float(fit.dropped is not None)  # dropped at this epoch's end: this epoch's
         self.history.append({"epoch": float(trainer.current_epoch), **metrics})
         log_epoch(metrics, trainer.loggers, trainer.current_epoch)
-        self._show_speedup(trainer, pl_module, metrics.get("fuse/speedup"))
+        self._show_speedup(trainer, pl_module, speedup)
+
+    def _rank_zeros(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> tuple[float | None, float | None]:
+        """Rank zero's speedup and the top of its interval (``None`` on a thin reference), on every rank: one
+        collective an epoch, which every rank calls; they decide the plan and the progress bar shows them."""
+        solid = len(self.fit.pool.samples) >= THIN_REFERENCE
+        high = metrics.get("fuse/speedup_high") if solid else None
+        return trainer.strategy.broadcast((metrics.get("fuse/speedup"), high))
 
     @staticmethod
     def _show_speedup(trainer: pl.Trainer, pl_module: pl.LightningModule, speedup: float | None) -> None:
-        """The progress bar's ``fuse/speedup``: rank zero's, on every rank alike (Lightning reduces an epoch-level
-        value across ranks, a collective, and warns when it is not asked to)."""
-        several = trainer.world_size > 1
-        speedup = trainer.strategy.broadcast(speedup) if several else speedup
+        """The progress bar's ``fuse/speedup`` (rank zero's, :meth:`_rank_zeros`): with several processes Lightning
+        reduces an epoch-level value across ranks, a collective, and warns when it is not asked to."""
         if speedup is not None:
-            pl_module.log("fuse/speedup", speedup, prog_bar=True, logger=False, sync_dist=several)
+            pl_module.log("fuse/speedup", speedup, prog_bar=True, logger=False, sync_dist=trainer.world_size > 1)
 
-    def _drop_plan_if_slower(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> None:
+    def _drop_plan_if_slower(self, epoch: int, speedup: float | None, high: float | None) -> None:
         """With ``mode="auto"``, a plan the epoch measured slower than eager is dropped: below the margin, or with
-        its whole interval below :data:`CLEARLY_SLOWER` on a reference that is not thin; rank zero's measurement
-        decides."""
+        its whole interval below :data:`CLEARLY_SLOWER` (``high``: ``None`` on a thin reference); rank zero's
+        measurement decides (:meth:`_rank_zeros`)."""
         if not self._plan_is_judged():
             return
-        solid = len(self.fit.pool.samples) >= THIN_REFERENCE
-        high = metrics.get("fuse/speedup_high") if solid else None
-        speedup, high = trainer.strategy.broadcast((metrics.get("fuse/speedup"), high))
-        when = f"in epoch {trainer.current_epoch}"
+        when = f"in epoch {epoch}"
         self._drop_plan_below_margin(speedup, when)
         if high is not None and high < CLEARLY_SLOWER and self.fit.plan.name != "eager":
             self.fit.drop_plan(f"it measured {speedup:.2f}x of eager {when}, its interval wholly below "

@@ -236,8 +236,9 @@ def judged_at_epoch_end(speedup: float, low: float, high: float, reference_steps
     one_process = SimpleNamespace(strategy=SimpleNamespace(broadcast=lambda value: value), current_epoch=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the drop's warning; the tests read the state it leaves
-        fuse._drop_plan_if_slower(one_process, {"fuse/speedup": speedup, "fuse/speedup_low": low,
+        shared = fuse._rank_zeros(one_process, {"fuse/speedup": speedup, "fuse/speedup_low": low,
                                                 "fuse/speedup_high": high})  # fmt: skip
+        fuse._drop_plan_if_slower(one_process.current_epoch, *shared)
     return fuse
 
 
@@ -394,11 +395,13 @@ def test_with_several_processes_every_rank_shows_rank_zeros_speedup_reduced_as_l
     reduction is a collective, so every rank must log: rank zero's speedup, broadcast."""
     logged = []
     module = SimpleNamespace(log=lambda name, value, **kwargs: logged.append((name, value, kwargs)))
-    ranks = SimpleNamespace(world_size=2, strategy=SimpleNamespace(broadcast=lambda value: 1.5))
-    FuseCallback._show_speedup(ranks, module, 1.2)  # this rank measured 1.2, rank zero 1.5
-    alone = SimpleNamespace(world_size=1, strategy=None)
-    FuseCallback._show_speedup(alone, module, 1.2)
-    FuseCallback._show_speedup(alone, module, None)
+    fuse = FuseCallback(cache_dir=False)
+    ranks = SimpleNamespace(world_size=2, strategy=SimpleNamespace(broadcast=lambda value: (1.5, None)))
+    speedup, _ = fuse._rank_zeros(ranks, {"fuse/speedup": 1.2})  # this rank measured 1.2, rank zero 1.5
+    fuse._show_speedup(ranks, module, speedup)
+    alone = SimpleNamespace(world_size=1, strategy=SimpleNamespace(broadcast=lambda value: value))
+    fuse._show_speedup(alone, module, fuse._rank_zeros(alone, {"fuse/speedup": 1.2})[0])
+    fuse._show_speedup(alone, module, fuse._rank_zeros(alone, {})[0])
     assert [(value, kwargs["sync_dist"]) for _, value, kwargs in logged] == [(1.5, True), (1.2, False)]
 
 
