@@ -4,6 +4,9 @@ For the recipe GPT at batch 8, the recipe ResNet-18 at 16 and four zoo models at
 ``reduce_overhead`` and ``fuse`` (``FuseCallback(eager_steps=0)``: every step compiled) trains 200 steps with an
 LR scheduler stepping every step and ``gradient_clip_val=1.0``; then, in the same fit, ``torch.profiler`` records
 5 more steps: ``floor_ms`` is the sum of the CUDA kernels' durations per step, ``busy_frac`` = floor / step.
+``lightning_loop`` is the same fit around :class:`Idle`, a network that costs nothing: its ``step_ms`` is what
+Lightning's loop, the optimizer, the clipping and the scheduler take on this host alone, a step no plan can go
+under inside Lightning.
 An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean) and
 ``param_gap``: how far apart the two fits' final parameters are, over how far eager's moved from the shared start
 (0: the same parameters; near 1: as far apart as training moves them). A single run's losses are a weak check: these
@@ -29,12 +32,13 @@ import harness
 import lightning.pytorch as pl
 import models
 import torch
+from torch import nn
 
 from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
-VARIANTS = ("reduce_overhead", "fuse")
+VARIANTS = ("reduce_overhead", "fuse", "lightning_loop")
 PROFILED = 5
 
 
@@ -72,30 +76,57 @@ class KernelWindow(pl.Callback):
             print(averages.table(sort_by="self_device_time_total", row_limit=20))
 
 
+class Idle(nn.Module):
+    """A network that costs nothing whatever the batch: one 16-by-1 linear layer on a constant input.
+
+    Example::
+
+        >>> Idle()({"any": "batch"}).shape
+        torch.Size([])
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 1)
+        self.register_buffer("ones", torch.ones(1, 16))
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        return self.linear(self.ones).square().mean()
+
+
 def measure(spec: dict) -> dict:
-    """An eager fit, then the variant's fit with the profiled steps after the timed ones (one process)."""
-    steps, warmup = spec["steps"], spec["warmup"]
-    trainer_kw = {"gradient_clip_val": 1.0, "steps": steps + PROFILED, "warmup": warmup}
+    """An eager fit, then the variant's fit with the profiled steps after the timed ones (one process);
+    ``lightning_loop``: the fit around :class:`Idle` alone."""
+    trainer_kw = {"gradient_clip_val": 1.0, "steps": spec["steps"] + PROFILED, "warmup": spec["warmup"]}
     # a foreach AdamW: Lightning refuses to clip a fused optimizer's gradients under mixed precision
-    build = partial(models.build, spec["model"], spec["batch_size"], spec["smoke"], steps + PROFILED, scheduler=True,
-                    fused=False)  # fmt: skip
+    build = partial(models.build, spec["model"], spec["batch_size"], spec["smoke"], spec["steps"] + PROFILED,
+                    scheduler=True, fused=False)  # fmt: skip
     task, loader = build()
+    if spec["variant"] == "lightning_loop":
+        task.model, task.loss_fn = Idle(), lambda model, batch: model(batch)
+        return profiled_fit(task, loader, [], spec["steps"], trainer_kw)
     start = cpu_copy(task.model.parameters())
     eager = harness.fit(task, loader, **trainer_kw)
     eager_end = cpu_copy(task.model.parameters())
     task, loader = build()
     started = time.perf_counter()
     callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
-    window = KernelWindow(steps, PROFILED)
-    result = harness.fit(task, loader, callbacks=[window, *callbacks], started=started, **trainer_kw)
+    result = profiled_fit(task, loader, callbacks, spec["steps"], {**trainer_kw, "started": started})
     fuse = next((callback for callback in callbacks if isinstance(callback, FuseCallback)), None)
-    timed = result["epoch_ms"].get(0, [])[: steps - warmup]  # the profiled steps are not timed
-    step_ms = statistics.median(timed) if timed else None
-    busy = window.floor_ms / step_ms if window.floor_ms and step_ms else None
-    return {**result, "step_ms": step_ms, "floor_ms": window.floor_ms, "busy_frac": busy,
-            "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"],
+    return {**result, "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"],
             "param_gap": parameter_gap(start, eager_end, cpu_copy(task.model.parameters())),
             "ran": fuse.fit.what_ran() if fuse is not None else None}  # fmt: skip
+
+
+def profiled_fit(task: pl.LightningModule, loader: Any, callbacks: list, steps: int, fit_kw: dict) -> dict:
+    """``harness.fit`` with :class:`KernelWindow` after its ``steps`` timed steps: their median ``step_ms`` (the
+    profiled steps are not timed), ``floor_ms`` and ``busy_frac``."""
+    window = KernelWindow(steps, PROFILED)
+    result = harness.fit(task, loader, callbacks=[window, *callbacks], **fit_kw)
+    timed = result["epoch_ms"].get(0, [])[: steps - fit_kw["warmup"]]
+    step_ms = statistics.median(timed) if timed else None
+    busy = window.floor_ms / step_ms if window.floor_ms and step_ms else None
+    return {**result, "step_ms": step_ms, "floor_ms": window.floor_ms, "busy_frac": busy}
 
 
 def cpu_copy(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -182,12 +182,14 @@ def test_whole_step_and_overhead(tmp_path: Path, in_process) -> None:
     import whole_step
 
     out = tmp_path / "whole_step.jsonl"
-    assert whole_step.main(["--smoke", "--models", "gpt", "--variants", "fuse", "--out", str(out)]) == 0
-    (record,) = _records(out)
-    _check([record], whole_step.FIELDS, 1)
+    argv = ["--smoke", "--models", "gpt", "--variants", "fuse,lightning_loop", "--out", str(out)]
+    assert whole_step.main(argv) == 0
+    record, loop = _records(out)
+    _check([record, loop], whole_step.FIELDS, 2)
     assert record["step_ms"] > 0 and record["floor_ms"] is None, "no CUDA kernels on CPU"
     assert record["final_loss"] > 0 and record["eager_final_loss"] > 0
     assert 0 <= record["param_gap"] < 0.1, "the same training, compiled or not"
+    assert loop["variant"] == "lightning_loop" and 0 < loop["step_ms"] and loop["param_gap"] is None
     out = tmp_path / "overhead.jsonl"
     assert overhead.main(["--smoke", "--variants", "no_nvml", "--out", str(out)]) == 0
     (record,) = _records(out)
