@@ -268,10 +268,10 @@ class FuseCallback(Callback):
         if not self._plan_is_judged():
             return
         when = f"in epoch {epoch}"
-        self._drop_plan_below_margin(speedup, when)
+        self._drop_plan_below_margin(speedup, when, epoch)
         if high is not None and high < CLEARLY_SLOWER and self.fit.plan.name != "eager":
             self.fit.drop_plan(f"it measured {speedup:.2f}x of eager {when}, its interval wholly below "
-                               f"{CLEARLY_SLOWER}x (up to {high:.2f}x)")  # fmt: skip
+                               f"{CLEARLY_SLOWER}x (up to {high:.2f}x)", epoch)  # fmt: skip
 
     def _drop_plan_if_slower_over_window(self, trainer: pl.Trainer, plan_ms: list[float] | None) -> None:
         """The running guard: at each window's end (``plan_ms``, its plan steps), with ``mode="auto"``, a plan whose
@@ -282,7 +282,7 @@ class FuseCallback(Callback):
         window = self.fit.pace.window
         speedup = trainer.strategy.broadcast(self.fit.speedup_over_window(plan_ms))
         where = f"over its last {window} steps in epoch {trainer.current_epoch}"
-        self._drop_plan_below_margin(speedup, f"{where} (median step, compiling steps included)")
+        self._drop_plan_below_margin(speedup, f"{where} (median step, compiling steps included)", trainer.current_epoch)
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone
@@ -290,9 +290,10 @@ class FuseCallback(Callback):
         plan = self.fit.plan
         return self.options.mode == AUTO and plan is not None and plan.owned
 
-    def _drop_plan_below_margin(self, speedup: float | None, when: str) -> None:
+    def _drop_plan_below_margin(self, speedup: float | None, when: str, epoch: int) -> None:
         if speedup is not None and speedup < SLOWER_THAN_EAGER and self.fit.plan.name != "eager":
-            self.fit.drop_plan(f"it measured {_below(speedup)}x of eager {when}, under the {SLOWER_THAN_EAGER}x kept")
+            self.fit.drop_plan(f"it measured {_below(speedup)}x of eager {when}, under the {SLOWER_THAN_EAGER}x kept",
+                               epoch)  # fmt: skip
 
     # ------------------------------------------------------------------ fit end
     @override

@@ -67,6 +67,7 @@ class FitState:
     plan: Plan | None = None
     decision: Decision | None = None
     dropped: str | None = None
+    dropped_in_epoch: int | None = None
     tracker: CompileTracker = field(default_factory=CompileTracker)
     cache: CompileCache | None = None
     guard: BackwardGuard | None = None
@@ -343,14 +344,15 @@ class FitState:
             )
 
     # ------------------------------------------------------------------ dropping the plan, undoing the fit
-    def drop_plan(self, reason: str) -> None:
-        """Take the plan off: the rest of the fit trains eagerly, with one warning (on a line of its own) saying why."""
+    def drop_plan(self, reason: str, epoch: int | None = None) -> None:
+        """Take the plan off: the rest of the fit trains eagerly, with one warning (on a line of its own) saying why;
+        ``epoch``: the (Lightning) epoch it was dropped in, for the verdict."""
         _new_line()  # the warning on a line of its own, not in the middle of the progress bar's
         rank_zero_warn(
             f"FuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit trains eagerly: {reason}."
         )
         self.uninstall_plan()
-        self.plan, self.dropped = Plan(), f"{reason} (step {self.steps})"
+        self.plan, self.dropped, self.dropped_in_epoch = Plan(), f"{reason} (step {self.steps})", epoch
         if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
             self.decision_file.forget()
 

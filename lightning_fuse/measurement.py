@@ -138,6 +138,7 @@ def verdict(fit: FitState, history: list[dict[str, Any]]) -> str:
         return measure_only_line(last.get("fuse/step_ms"))
     return verdict_line(fit.plan_name(), history, fit.tracker.total_s,
                         break_even_step=last.get("fuse/break_even_step"), dropped=fit.dropped,
+                        dropped_in_epoch=fit.dropped_in_epoch,
                         device_type=fit.setting.device.type if fit.setting else "cpu",
                         eager_steps=fit.options.eager_steps if fit.options else None,
                         reference_steps=len(fit.pool.samples),

@@ -192,8 +192,10 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds >= 10 else f"{seconds:.1f} s"
 
 
-def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: str, cost: str) -> str:
-    """The verdict when a plan was dropped (measured slower than eager, or failed): its epochs are another plan's."""
+def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: str, cost: str,
+                  epoch: int | None) -> str:  # fmt: skip
+    """The verdict when a plan was dropped (measured slower than eager, or failed) in ``epoch`` (``None``: at the
+    end of its last epoch in ``history``): its epochs are another plan's."""
     gone = [(index, row) for index, row in enumerate(history) if row.get(PLAN_KEY, plan) != plan]
     label = str(gone[-1][1][PLAN_KEY]) if gone else "the plan"
     if "raised" in reason or not gone:  # failed mid-fit (the step was redone eagerly), or dropped before an epoch end
@@ -202,10 +204,11 @@ def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: s
     point, low, high = pooled_speedup(rows)
     text, low_text, high_text = _numbers(point, low, high) if point is not None else ("?", None, None)
     figure = f"{text}x" + (f", {low_text}-{high_text}" if low_text else "")
-    index, last = gone[-1] if gone else (None, {})
-    epoch = int(last.get("epoch", index)) if gone else "?"
+    if epoch is None:
+        index, last = gone[-1]
+        epoch = int(last.get("epoch", index))
     device = _DEVICE_WORDS.get(device_type, device_type)
-    return f"FuseCallback: no gain on this {device} ({figure}) with {label}; dropped after epoch {epoch}, " \
+    return f"FuseCallback: no gain on this {device} ({figure}) with {label}; dropped in epoch {epoch}, " \
            f"the rest trained eagerly; {cost}"  # fmt: skip
 
 
@@ -216,6 +219,7 @@ def verdict_line(
     *,
     break_even_step: float | None = None,
     dropped: str | None = None,
+    dropped_in_epoch: int | None = None,
     device_type: str = "cuda",
     eager_steps: int | None = None,
     reference_steps: int | None = None,
@@ -231,6 +235,8 @@ def verdict_line(
         break_even_step: The step at which the compile time was paid back, if it was.
         dropped: Why (or which) plan was dropped for measuring slower than eager; ``None``: none was. The dropped
             plan's figures come from the history rows whose ``"plan"`` is not ``plan``.
+        dropped_in_epoch: The epoch it was dropped in (Lightning's numbering, as the drop's warning says);
+            ``None``: the last epoch the dropped plan measured.
         device_type: ``torch.device.type`` of the run (``"cuda"``, ``"cpu"``...).
         eager_steps: The ``eager_steps`` setting, to say why nothing was measured.
         reference_steps: Timed eager steps in the pooled reference at the end; below :data:`THIN_REFERENCE` the
@@ -251,7 +257,7 @@ def verdict_line(
     """
     cost = f"compile {_seconds(compile_s)}"
     if dropped is not None:
-        return _dropped_line(plan, history, device_type, dropped, cost)
+        return _dropped_line(plan, history, device_type, dropped, cost, dropped_in_epoch)
     point, low, high = pooled_speedup([row for row in history if row.get(PLAN_KEY, plan) == plan])
     if point is None:
         why = "eager_steps=0" if eager_steps == 0 else "no eager reference step was timed"

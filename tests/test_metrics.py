@@ -101,11 +101,14 @@ def test_the_verdict_of_a_slower_plan_and_of_one_no_different_from_eager():
         "FuseCallback: 1.02x (0.97-1.08), no clear difference from eager with regions; compile 5.0 s")
 
 
-def test_the_verdict_of_a_dropped_plan_names_the_epoch_it_went_after():
+def test_the_verdict_of_a_dropped_plan_names_the_epoch_it_was_dropped_in():
     history = [history_row(0, "regions", 0.88, 0.85, 0.91), {"epoch": 1, "plan": "eager", "fuse/speedup": 1.0}]
     line = verdict_line("eager", history, compile_s=20.0, dropped="it measured 0.88x of eager", device_type="cpu")
-    assert line == ("FuseCallback: no gain on this CPU (0.88x, 0.85-0.91) with regions; dropped after epoch 0, "
+    assert line == ("FuseCallback: no gain on this CPU (0.88x, 0.85-0.91) with regions; dropped in epoch 0, "
                     "the rest trained eagerly; compile 20 s")
+    mid_epoch = verdict_line("eager", history, compile_s=20.0, dropped="it measured 0.88x of eager over its last "
+                             "50 steps in epoch 1", dropped_in_epoch=1, device_type="cpu")  # fmt: skip
+    assert "; dropped in epoch 1, the rest" in mid_epoch, "the epoch its warning named, not the last it measured"
     failed = verdict_line("eager", history, compile_s=20.0, dropped="backward raised AssertionError: boom (step 7)")
     assert failed == ("FuseCallback: regions was dropped, backward raised AssertionError: boom (step 7); the rest "
                       "trained eagerly, no step lost; compile 20 s")

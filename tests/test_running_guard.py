@@ -228,6 +228,7 @@ def test_a_plan_slower_than_eager_is_dropped_within_the_guards_window_mid_epoch(
     assert probe.plans[activation:dropped_at] == ["regions"] * (dropped_at - activation)  # it ran, then went
     assert activation < dropped_at <= activation + window and dropped_at < steps - 1  # mid-epoch, within a window
     assert fuse.decision.winner == "regions" and "over its last 30 steps" in fuse.fit.dropped
+    assert fuse.fit.dropped_in_epoch == 0, "the verdict names the epoch the warning named"
     assert fuse.history[0]["fuse/plan_dropped"] == 1.0 and fuse.plan.name == "eager"
     assert fuse.verdict.startswith("FuseCallback: the plan was dropped, it measured ")
 
