@@ -105,17 +105,16 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "letting activation checkpointing's early stop "
                    "pass through compiled regions", required=False),
         PrivateAPI("torch.cuda._get_nvml_device_index", "NVML's index of a CUDA device", required=False),
-        PrivateAPI("torch._foreach_copy_", "copying the gradients into a captured update's buffers in one launch",
+        PrivateAPI("torch._foreach_copy_", "copying the gradients into a captured update's buffers in one launch"),
+        PrivateAPI("torch._foreach_add_", "adding a replayed backward's gradients to those held, in one launch"),
+        PrivateAPI("torch._C._cuda_clearCublasWorkspaces", "giving each CUDA graph cuBLAS workspaces in its own memory",
                    required=False),
-        *(
-            PrivateAPI(f"torch.optim.optimizer.{name}", "telling a captured optimizer update from one with step hooks",
-                       required=False)
-            for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
-        ),
-        *(
-            PrivateAPI(f"torch.utils._pytree.{name}", "flattening inputs and outputs (no public torch.utils.pytree)")
-            for name in ("tree_flatten", "tree_unflatten", "tree_leaves", "tree_map")
-        ),
+        *(PrivateAPI(f"torch.Tensor.{name}", "telling whether anything watches a parameter's gradient arrive",
+                     required=False) for name in ("_backward_hooks", "_post_accumulate_grad_hooks")),
+        *(PrivateAPI(f"torch.optim.optimizer.{name}", "telling a captured optimizer update from one with step hooks",
+                     required=False) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")),
+        *(PrivateAPI(f"torch.utils._pytree.{name}", "flattening inputs and outputs (no public torch.utils.pytree)")
+          for name in ("tree_flatten", "tree_unflatten", "tree_leaves", "tree_map")),
     )
 }
 _warned: set[str] = set()
@@ -818,17 +817,57 @@ def has_step_hooks(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def copy_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy each source into its destination: one launch per chunk of tensors (``torch._foreach_copy_``), or
-    one per tensor where torch lacks it.
+    """Copy each source into its destination, one launch per chunk of tensors (``torch._foreach_copy_``: torch has
+    no public multi-tensor copy).
 
     Example::
 
         >>> dst = [torch.zeros(2)]; copy_tensors(dst, [torch.ones(2)]); dst[0].tolist()
         [1.0, 1.0]
     """
-    foreach = _optional("torch._foreach_copy_", None)
-    if foreach is not None:
-        foreach(destinations, sources)
-        return
-    for destination, source in zip(destinations, sources, strict=True):
-        destination.copy_(source)
+    _get("torch._foreach_copy_")(destinations, sources)
+
+
+def add_tensors(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Add each source to its destination in place, as :func:`copy_tensors` copies (``torch._foreach_add_``).
+
+    Example::
+
+        >>> dst = [torch.ones(2)]; add_tensors(dst, [torch.ones(2)]); dst[0].tolist()
+        [2.0, 2.0]
+    """
+    _get("torch._foreach_add_")(destinations, sources)
+
+
+def has_gradient_hooks(param: torch.Tensor) -> bool:
+    """Whether a hook runs on ``param``'s gradient as autograd accumulates it (``register_hook``,
+    ``register_post_accumulate_grad_hook``); where torch no longer says, assume so.
+
+    Why private: torch has no public way to list a tensor's hooks.
+
+    Example::
+
+        >>> p = torch.nn.Parameter(torch.ones(1))
+        >>> has_gradient_hooks(p), has_gradient_hooks(p.register_post_accumulate_grad_hook(print) and p)
+        (False, True)
+    """
+    return any(getattr(param, name, True) for name in ("_backward_hooks", "_post_accumulate_grad_hooks"))
+
+
+def clear_cublas_workspaces() -> None:
+    """Drop the cuBLAS workspaces torch keeps per stream, so that the next matrix product allocates its own.
+
+    A CUDA graph's matrix products write the workspace of the stream it was captured on. Allocated before the
+    capture, that workspace is ordinary memory: torch's cudagraph trees drop every workspace around their
+    recordings (``reduce-overhead``), the next ``empty_cache`` returns it to the driver, and the graph's next replay
+    faults ("unspecified launch failure"). Dropped just before a capture, the workspace is allocated in the graph's
+    own memory pool, which lives as long as the graph; dropped again after it, no later work shares that memory.
+    cudagraph trees do the same (``torch._inductor.cudagraph_trees.clear_cublass_cache``).
+
+    Why private: torch has no public call that drops them.
+
+    Example::
+
+        >>> clear_cublas_workspaces()  # on a CUDA build of torch; nothing to drop before a matrix product ran
+    """
+    _get("torch._C._cuda_clearCublasWorkspaces")()

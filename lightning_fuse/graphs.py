@@ -2,7 +2,7 @@
 
 Small models spend most of a training step launching kernels from the CPU; per-region graphs (``mode=
 "reduce-overhead"``) still launch once per region and copy at every region boundary. :class:`GraphedModule`
-captures the whole module (compiled regions included) with :func:`torch.cuda.make_graphed_callables` and replays
+captures the whole module (compiled regions included) with :func:`~lightning_fuse.replay.capture` and replays
 the forward and the backward as one launch each.
 
 Third-party models are called with keyword arguments and return ``ModelOutput``s, dicts or tuples holding
@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_fuse import compat
+from lightning_fuse import compat, replay
 from lightning_fuse.compiler import PLAIN, describe_error, forced_eager
 from lightning_fuse.held_gradients import own_kept_gradients, own_kept_gradients_before_backward
 from lightning_fuse.regions import has_params, is_metric
@@ -169,7 +169,8 @@ class GraphedModule:
     Args:
         name: The module's dotted name (for messages).
         module: The module whose ``forward`` (and backward) is captured.
-        capture: ``make_graphed_callables``-like function (injectable, so the bookkeeping is testable on a CPU).
+        capture: ``make_graphed_callables``-like function (injectable, so the bookkeeping is testable on a CPU):
+            :func:`~lightning_fuse.replay.capture` by default.
         on_device: Whether a tensor input may enter the graph (CUDA tensors by default).
         compiles: Returns the number of compiles so far; a probe that compiles twice is not captured.
 
@@ -202,7 +203,7 @@ class GraphedModule:
         optimization at an optimizer step's first micro-batch), so held gradients are copied at the backward, where
         zeroing set them to ``None`` (nothing to copy), not at the forward (every gradient copied for nothing)."""
         self.disabled_reason: str | None = None
-        self._capture_fn = capture or torch.cuda.make_graphed_callables
+        self._capture_fn = capture or replay.capture
         self._on_device = on_device
         self._compiles = compiles
         self.max_graphs = max_graphs

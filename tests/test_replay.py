@@ -1,0 +1,169 @@
+"""The replay that writes the parameters' gradients itself (lightning_fuse/replay.py), on CPU: its "graphs" are
+closures that recompute into the same static buffers a captured graph would write, scribbling over the gradient
+buffers in the forward as a shared memory pool may."""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fuse import replay
+from lightning_fuse.graphs import GraphedModule
+from lightning_fuse.replay import Replay, accumulate, writes_gradients_itself
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second, self.unused = nn.Linear(4, 8), nn.Linear(8, 2), nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.second(self.first(x).relu()), ids * 2
+
+
+def closure_capture(module: nn.Module, sample_args: tuple[torch.Tensor, ...], num_warmup_iters: int = 3) -> Replay:
+    """A :class:`Replay` of ``module`` whose forward and backward "graphs" recompute from the static buffers."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    inputs = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in sample_args)
+    first = module(*inputs)
+    outputs = [torch.empty_like(o) for o in first]
+    grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in first]
+    surface = [t for t in inputs if t.requires_grad] + params
+    grads = [torch.zeros_like(t) for t in surface]
+    live: list[torch.Tensor] = []
+
+    def forward() -> None:
+        for buffer in grads:
+            buffer.fill_(1e6)  # the forward's temporaries, where the pool put a gradient buffer
+        with torch.enable_grad():
+            live[:] = module(*inputs)
+        for static, out in zip(outputs, live):
+            static.copy_(out.detach())
+
+    def backward() -> None:
+        pairs = [(out, g) for out, g in zip(live, grad_outputs) if g is not None]
+        with torch.enable_grad():
+            new = torch.autograd.grad([o for o, _ in pairs], surface, [g for _, g in pairs], allow_unused=True)
+        for buffer, grad in zip(grads, new):
+            buffer.copy_(grad) if grad is not None else buffer.zero_()
+
+    unused = {id(p) for p in module.unused.parameters()} if hasattr(module, "unused") else set()
+    buffers = [None if id(t) in unused else g for t, g in zip(surface, grads)]
+    return Replay(forward, backward, inputs, outputs, grad_outputs, buffers, params)
+
+
+def test_training_through_the_replay_gives_eager_outputs_and_gradients():
+    """Zeroed to ``None`` between steps, as Lightning does: a gradient held across replays (accumulated, zeroed in
+    place) lives in the graph's buffer, which GraphedModule copies out first (the last test)."""
+    torch.manual_seed(0)
+    net = Net()
+    twin = copy.deepcopy(net)
+    x, ids = torch.randn(3, 4, requires_grad=True), torch.arange(3)
+    graphed = closure_capture(net, (x, ids))
+    for step in range(3):
+        for model in (net, twin):
+            model.zero_grad(set_to_none=True)
+        batch = torch.randn(3, 4)
+        out, doubled = graphed(batch, ids + step)
+        want, want_doubled = twin(batch, ids + step)
+        torch.testing.assert_close(out, want)
+        assert torch.equal(doubled, want_doubled) and not doubled.requires_grad
+        out.square().sum().backward()
+        want.square().sum().backward()
+        for got, expected in zip(net.parameters(), twin.parameters()):
+            if expected.grad is None:
+                assert got.grad is None, "an unused parameter gets no gradient, as in eager"
+            else:
+                torch.testing.assert_close(got.grad, expected.grad)
+
+
+def test_an_input_that_requires_a_gradient_gets_it_through_autograd():
+    torch.manual_seed(0)
+    net = Net()
+    x, ids = torch.randn(3, 4, requires_grad=True), torch.arange(3)
+    graphed = closure_capture(net, (x, ids))
+    leaf = torch.randn(3, 4, requires_grad=True)
+    graphed(leaf * 1.0, ids)[0].sum().backward()
+    twin_leaf = leaf.detach().clone().requires_grad_()
+    net(twin_leaf, ids)[0].sum().backward()
+    torch.testing.assert_close(leaf.grad, twin_leaf.grad)
+
+
+def test_a_new_gradient_takes_the_parameters_own_layout_where_the_buffers_differs():
+    param = nn.Parameter(torch.zeros(2, 3).t())  # strides (1, 3)
+    new = torch.arange(6.0).reshape(3, 2)  # strides (2, 1)
+    accumulate([(param, new)])
+    assert param.grad.stride() == param.stride() and torch.equal(param.grad, new) and param.grad is not new
+
+
+def test_with_a_hook_or_several_processes_the_capture_is_torchs_own(monkeypatch):
+    net, events = nn.Linear(2, 2), []
+    monkeypatch.setattr(replay.compat, "clear_cublas_workspaces", lambda: events.append("clear"))
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables",
+                        lambda module, args, num_warmup_iters: events.append("torch's") or "torch's")  # fmt: skip
+    net.weight.register_hook(lambda grad: grad)
+    assert not writes_gradients_itself(list(net.parameters()))
+    assert replay.capture(net, (torch.ones(1, 2),)) == "torch's"
+    assert events == ["clear", "torch's", "clear"]  # its captures get cuBLAS workspaces of their own too
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    assert not writes_gradients_itself([nn.Parameter(torch.ones(1))])
+
+
+class FakeGraph:
+    def replay(self) -> None:
+        pass
+
+
+def test_the_capture_gets_cublas_workspaces_of_its_own_not_the_warmups(monkeypatch):
+    """cuBLAS keeps a workspace per stream. The one the warmup allocated on the capture's stream is ordinary memory,
+    which torch's cudagraph trees free under the graph when they record (the H100 fault: "unspecified launch
+    failure" at the next replay); dropped between the warmup and the capture, it is allocated in the graph's pool."""
+    net, events = nn.Linear(2, 2), []
+    net.register_forward_hook(lambda *_: events.append("forward"))
+
+    @contextmanager
+    def graph(cuda_graph: FakeGraph, stream: object = None, pool: object = None):
+        events.append("capture")
+        yield
+
+    monkeypatch.setattr(replay.compat, "clear_cublas_workspaces", lambda: events.append("clear"))
+    fakes = {"synchronize": lambda: None, "Stream": object, "stream": lambda stream: nullcontext(),
+             "CUDAGraph": FakeGraph, "graph_pool_handle": lambda: (0, 1), "graph": graph}
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    replay.capture(net, (torch.ones(1, 2),), num_warmup_iters=2)
+    assert events == ["forward", "forward", "clear", "capture", "forward", "capture", "clear"]
+
+
+@pytest.mark.parametrize("zero", ["accumulate", "in_place", "after_forward"])
+def test_through_graphed_module_kept_gradients_are_never_overwritten_by_the_next_replay(zero):
+    """GraphedModule copies held gradients out of the graph's buffers before a replay (held_gradients.py); with the
+    replay writing the gradients itself, they still train as eager."""
+    torch.manual_seed(0)
+    net = Net()
+    twin = copy.deepcopy(net)
+    graphed = GraphedModule("net", net, capture=closure_capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    ids = torch.arange(3)
+    for i in range(4):
+        graphed.grads_zeroed_after_forward = zero == "after_forward" and graphed.captured
+        batch = torch.randn(3, 4)
+        if zero == "in_place" or (zero == "accumulate" and i % 2 == 0):
+            for model in (net, twin):
+                model.zero_grad(set_to_none=zero == "accumulate")
+        out = net(batch, ids)[0]
+        if zero == "after_forward":
+            for model in (net, twin):
+                model.zero_grad(set_to_none=i % 2 == 0)
+        out.square().sum().backward()
+        type(twin).forward(twin, batch, ids)[0].square().sum().backward()
+        for got, want in zip(net.parameters(), twin.parameters()):
+            if want.grad is not None:
+                torch.testing.assert_close(got.grad, want.grad)
+    assert graphed.replays == 4  # the first call captures, then replays
+    graphed.uninstall()
