@@ -81,13 +81,9 @@ class NoCacheInTraining:
 
         Example::
 
-            >>> class Net(torch.nn.Module):
-            ...     config = type("Config", (), {"use_cache": True})()
-            ...     def forward(self, x, use_cache=None):
-            ...         return x
-            >>> net = Net()
-            >>> no_cache = NoCacheInTraining(net)
-            >>> no_cache.install()
+            >>> net = torch.nn.Module()
+            >>> net.config, net.forward = type("Config", (), {"use_cache": True})(), lambda x, use_cache=None: x
+            >>> no_cache = NoCacheInTraining(net); no_cache.install()
             >>> no_cache.as_called(net, (1,), {}), no_cache.as_called(net, (1,), {"use_cache": True})
             (((1,), {'use_cache': False}), ((1,), {'use_cache': True}))
         """
