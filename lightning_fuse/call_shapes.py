@@ -27,6 +27,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_fuse import compat
+from lightning_fuse.buckets import suggest_buckets
 
 Shapes = tuple[tuple[int, ...] | None, ...]
 """One call's leaves: a tensor's shape, ``None`` for anything else."""
@@ -70,6 +71,36 @@ class CallShapes:
         """The sizes seen at ``dim`` in the tensor leaves where that dim varies, sorted."""
         leaves = [leaf for leaf, dims in self._varying().items() if dim in dims]
         return sorted({shapes[leaf][dim] for _, shapes in self._calls for leaf in leaves})
+
+    def note(self, left_out: list[str], buckets: int) -> str:
+        """What varying shapes change (``left_out``: the candidates they leave out of the search), and, without
+        ``buckets``, the ``pad_buckets`` that would hold the lengths seen.
+
+        Example::
+
+            >>> shapes = CallShapes()
+            >>> for length in (5, 9):
+            ...     shapes.add((torch.zeros(2, length),), {})
+            >>> print(shapes.note(["regions+graph"], buckets=0))  # doctest: +NORMALIZE_WHITESPACE
+            FuseCallback: the network's input shapes vary between its first 2 training calls (lengths 5..9): dim 1 is
+            compiled as dynamic, and regions+graph (CUDA graphs of one shape each) are left out of the search. To run
+            CUDA graphs over varying lengths, pad them to a few sizes: FuseCallback(pad_buckets=[8, 16]) (from the
+            lengths seen; extend it to your longest sequence).
+        """
+        lengths = self.sizes(1)
+        seen = f" (lengths {lengths[0]}..{lengths[-1]})" if lengths else ""
+        dims = sorted(self.varying_dims)
+        marked = f"dim {dims[0]} is" if len(dims) == 1 else f"dims {', '.join(map(str, dims))} are"
+        change = f"{marked} compiled as dynamic" if dims else "the calls' structure changes"
+        note = f"FuseCallback: the network's input shapes vary between its first {self.calls} training calls{seen}: "
+        note += change
+        if left_out:
+            note += f", and {', '.join(left_out)} (CUDA graphs of one shape each) are left out of the search"
+        if lengths and not buckets:
+            note += (f". To run CUDA graphs over varying lengths, pad them to a few sizes: "
+                     f"FuseCallback(pad_buckets={suggest_buckets(lengths)}) (from the lengths seen; extend it to your "
+                     "longest sequence)")  # fmt: skip
+        return note + "."
 
     def _varying(self) -> dict[int, set[int]]:
         """Leaf index -> the dims of that tensor whose size changed, over the calls of the first call's structure."""

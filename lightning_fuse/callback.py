@@ -26,14 +26,11 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fuse import compat
 from lightning_fuse.choice import activate_plan, share_optimizer_verdict
-from lightning_fuse.compiler import RECOMPILE_LIMIT
 from lightning_fuse.fit import FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
-from lightning_fuse.options import AUTO, FuseOptions
+from lightning_fuse.options import AUTO, RECOMPILE_LIMIT, REFERENCE_BUDGET, FuseOptions
 from lightning_fuse.start import plan_line, start_cache, start_fit
-from lightning_fuse.timing import REFERENCE_BUDGET, THIN_REFERENCE
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -47,7 +44,7 @@ SLOWER_THAN_EAGER = 0.9
 dropped (margin for measurement noise)."""
 CLEARLY_SLOWER = 1.0
 """With mode="auto", a plan whose epoch's interval lies wholly below this speedup is dropped too, once the pooled
-reference is not thin (:data:`~lightning_fuse.timing.THIN_REFERENCE` steps): slower than eager beyond the noise the
+reference is not thin (:attr:`~lightning_fuse.timing.ReferencePool.thin`): slower than eager beyond the noise the
 interval measures, though above the margin."""
 
 
@@ -168,7 +165,7 @@ class FuseCallback(Callback):
     @property
     def cache(self):
         """The fit's compile cache (``None`` with ``cache_dir=False``)."""
-        return self.fit.cache
+        return self.fit.hooks.cache
 
     @property
     def fallbacks(self) -> dict[str, str]:
@@ -182,10 +179,9 @@ class FuseCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        compat.check_private_apis()
         self.fit = start_fit(self.options, pl_module, world_size=trainer.world_size,
                              precision=trainer.precision_plugin)  # fmt: skip
-        self.fit.cache = start_cache(self.options, self.fit, trainer.strategy.barrier)
+        self.fit.hooks.cache = start_cache(self.options, self.fit, trainer.strategy.barrier)
         rank_zero_info(plan_line(self.fit, pl_module))
 
     @override
@@ -196,8 +192,8 @@ class FuseCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         fit = self.fit
         fit.timer.start()  # this step's start is the last step's end
-        if fit.buckets is not None:
-            fit.buckets(batch)  # in place: training_step receives this very batch
+        if fit.hooks.buckets is not None:
+            fit.hooks.buckets(batch)  # in place: training_step receives this very batch
         fit.mark_dynamic(self.options.dims, batch, "train", lambda: trainer.train_dataloader)
         if fit.steps == fit.activation_step:
             activate_plan(fit, trainer, pl_module)
@@ -250,8 +246,7 @@ class FuseCallback(Callback):
     def _rank_zeros(self, trainer: pl.Trainer, metrics: dict[str, Any]) -> tuple[float | None, float | None]:
         """Rank zero's speedup and the top of its interval (``None`` on a thin reference), on every rank: one
         collective an epoch, which every rank calls; they decide the plan and the progress bar shows them."""
-        solid = len(self.fit.pool.samples) >= THIN_REFERENCE
-        high = metrics.get("fuse/speedup_high") if solid else None
+        high = metrics.get("fuse/speedup_high") if not self.fit.pool.thin else None
         return trainer.strategy.broadcast((metrics.get("fuse/speedup"), high))
 
     @staticmethod
@@ -300,8 +295,8 @@ class FuseCallback(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             self.verdict = report(self.fit, self.history, trainer.loggers, trainer.current_epoch)
-        if self.fit.cache is not None and trainer.is_global_zero:
-            self.fit.cache.save()
+        if self.fit.hooks.cache is not None and trainer.is_global_zero:
+            self.fit.hooks.cache.save()
 
     # ------------------------------------------------------------------ undo
     @override

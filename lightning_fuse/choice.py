@@ -7,16 +7,10 @@ and the candidates that capture FuseCallback's own CUDA graphs (one shape each) 
 
 Example::
 
-    >>> from lightning_fuse.call_shapes import CallShapes
-    >>> import torch
-    >>> shapes = CallShapes()
-    >>> for length in (5, 9):
-    ...     shapes.add((torch.zeros(2, length),), {})
-    >>> print(varying_shapes_note(shapes, ["regions+graph"], buckets=0))  # doctest: +NORMALIZE_WHITESPACE
-    FuseCallback: the network's input shapes vary between its first 2 training calls (lengths 5..9): dim 1 is
-    compiled as dynamic, and regions+graph (CUDA graphs of one shape each) are left out of the search. To run
-    CUDA graphs over varying lengths, pad them to a few sizes: FuseCallback(pad_buckets=[8, 16]) (from the lengths
-    seen; extend it to your longest sequence).
+    >>> from lightning_fuse.fit import FitState
+    >>> fit = FitState()  # one process: no optimizer graph waits for rank zero's verdict
+    >>> share_optimizer_verdict(fit, broadcast=lambda verdict: verdict); fit.optimizer_verdict_pending
+    False
 """
 
 from __future__ import annotations
@@ -29,7 +23,6 @@ from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_fuse import compat
-from lightning_fuse.buckets import suggest_buckets
 from lightning_fuse.compiler import changes_in_training
 from lightning_fuse.decision import Decision, DecisionFile, announce, decision_key
 from lightning_fuse.optimizer_graph import SETTLE_EVERY, install_optimizer_graphs, settle_together
@@ -40,23 +33,22 @@ from lightning_fuse.shapes import mark_dims, mark_region_inputs
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_fuse.call_shapes import CallShapes
     from lightning_fuse.fit import FitState
 
 
 def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
     """Choose the plan (by measurement on the recorded inputs, from the cache, or forced) and install it, with
     the optimizers' captured updates where the plan runs compiled."""
-    fit.stop_recording()
+    fit.hooks.stop_recording()
     _hold_over_varying_shapes(fit)
-    fit.no_cache.enabled = fit.attention.enabled = True  # the candidates, eager's trial too, run as the plan will
+    fit.hooks.set_plan_step(True)  # the candidates, eager's trial too, run as the plan will
     if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
         # Dynamo traces each parameter with its .grad: FSDP's bf16 grads left by the eager steps made every region
         # fall back ("grad_dtype 'BFloat16'"). Lightning would set them to None after this step's forward anyway.
         pl_module.zero_grad(set_to_none=True)
     if not fit.searching:
         plan = fit.candidates[0]
-    elif fit.recorded is None:
+    elif fit.hooks.recorded is None:
         plan = fit.candidates[0]
         plan.reason = f"the network {fit.setting.target[0]!r} was not called in a training step, so nothing to measure"
     else:
@@ -68,13 +60,13 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
         announce(fit.decision, trainer.loggers if trainer.is_global_zero else [])
         if fit.decision_file is not None and trainer.is_global_zero:
             fit.decision_file.store(fit.decision)
-    fit.recorded = None
+    fit.hooks.recorded = None
     for loser in fit.candidates:
         if loser is not plan:
             loser.release()
     plan.install()
     fit.plan = plan
-    if fit.options.optimizer_graph and fit.runs_compiled():
+    if fit.optimizer_graph and fit.runs_compiled():
         _install_optimizer_graphs(fit, trainer)
     if plan.name == "eager" and fit.decision is not None:
         fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
@@ -100,14 +92,15 @@ def share_optimizer_verdict(fit: FitState, broadcast: Callable[[Any], Any]) -> N
 
 def _decision_file(fit: FitState) -> DecisionFile | None:
     """Where the decision for the recorded inputs is cached, beside the compile cache (``None``: no cache)."""
-    if fit.cache is None:
+    cache = fit.hooks.cache
+    if cache is None:
         return None
-    return DecisionFile(fit.cache.directory, decision_key(fit.recorded, fit.varying_dims, fit.setting.world_size))
+    return DecisionFile(cache.directory, decision_key(fit.hooks.recorded, fit.varying_dims, fit.setting.world_size))
 
 
 def _search(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
     module = fit.setting.target[1]
-    args, kwargs = fit.recorded
+    args, kwargs = fit.hooks.recorded
     cuda = fit.setting.device.type == "cuda"
     # FSDP (Lightning's FSDPStrategy) shards the parameters outside its units, and its root unit, which wraps the
     # LightningModule, gathers them only in its own forward: the trials run there, as training steps do. DDP's
@@ -133,33 +126,17 @@ def _hold_over_varying_shapes(fit: FitState) -> None:
     candidates that hold over them compete (no graph of FuseCallback's own without ``pad_buckets``), and on CUDA
     without ``pad_buckets`` the plan's steps leave cuDNN attention out (:class:`~lightning_fuse.call_shapes.
     NoCudnnAttention`); a line says each."""
-    if not fit.shapes.varies:
+    shapes = fit.hooks.shapes
+    if not shapes.varies:
         return
-    fit.varying_dims = fit.shapes.varying_dims
-    buckets = len(fit.options.pad_buckets or ())
+    fit.varying_dims = shapes.varying_dims
+    buckets = len(fit.hooks.buckets.sizes) if fit.hooks.buckets is not None else 0
     kept = for_varying_shapes(fit.candidates, buckets) if fit.searching else fit.candidates
     left_out = [plan for plan in fit.candidates if plan not in kept]
     for plan in left_out:
         plan.release()
     fit.candidates = kept
-    rank_zero_info(varying_shapes_note(fit.shapes, [plan.name for plan in left_out], buckets))
+    rank_zero_info(shapes.note([plan.name for plan in left_out], buckets))
     if fit.setting.device.type == "cuda" and not buckets:
-        fit.attention.apply()
+        fit.hooks.attention.apply()
 
-
-def varying_shapes_note(shapes: CallShapes, left_out: list[str], buckets: int) -> str:
-    """What varying shapes change, and the ``pad_buckets`` that would hold the lengths seen (without buckets)."""
-    lengths = shapes.sizes(1)
-    seen = f" (lengths {lengths[0]}..{lengths[-1]})" if lengths else ""
-    dims = sorted(shapes.varying_dims)
-    marked = f"dim {dims[0]} is" if len(dims) == 1 else f"dims {', '.join(map(str, dims))} are"
-    change = f"{marked} compiled as dynamic" if dims else "the calls' structure changes"
-    note = f"FuseCallback: the network's input shapes vary between its first {shapes.calls} training calls{seen}: "
-    note += change
-    if left_out:
-        note += f", and {', '.join(left_out)} (CUDA graphs of one shape each) are left out of the search"
-    if lengths and not buckets:
-        note += (f". To run CUDA graphs over varying lengths, pad them to a few sizes: "
-                 f"FuseCallback(pad_buckets={suggest_buckets(lengths)}) (from the lengths seen; extend it to your "
-                 "longest sequence)")  # fmt: skip
-    return note + "."

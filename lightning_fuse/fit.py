@@ -1,8 +1,8 @@
 """The state of one fit, made new at every fit start, and the bookkeeping of its epochs and steps.
 
 :class:`FitState` holds what a fit learns as it goes (the plan in force, the timer, the reference schedule, the
-recorded inputs, the search's decision, the compile cache) so that a callback reused for a second ``fit`` starts
-from nothing. Each training step is opened by :meth:`FitState.begin_step` (what the step is, the contexts it runs
+search's decision) and what it put on the model and torch (:mod:`~lightning_fuse.hooks`: the recorded inputs, the
+compile cache among them), so that a callback reused for a second ``fit`` starts from nothing. Each training step is opened by :meth:`FitState.begin_step` (what the step is, the contexts it runs
 in) and closed by :meth:`FitState.end_step` (its time recorded, its contexts left); :meth:`FitState.close` undoes
 everything the fit changed. The fit is set up by :mod:`~lightning_fuse.start`, its plan chosen by
 :mod:`~lightning_fuse.choice`, and what it measured summed up by :mod:`~lightning_fuse.measurement`.
@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
-from lightning_fuse import compat, gpu
-from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
-from lightning_fuse.compiler import plain_eager
+from lightning_fuse.hooks import FitHooks
+from lightning_fuse.meters import GpuMeters, cudagraph_trees
 from lightning_fuse.plan import Plan, Setting
 from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
@@ -36,17 +35,8 @@ from lightning_fuse.timing import (COMPILED, EAGER, LEAD_IN, SKIPPED, UNKNOWN_EP
                                    ReferencePool, StepTimer)
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
-
-    from lightning_fuse.buckets import PadToBuckets
-    from lightning_fuse.cache import CompileCache
     from lightning_fuse.decision import Decision, DecisionFile
-    from lightning_fuse.graphs import GraphedModule
-    from lightning_fuse.guard import BackwardGuard
-    from lightning_fuse.kv_cache import NoCacheInTraining
     from lightning_fuse.optimizer_graph import OptimizerGraph
-    from lightning_fuse.options import FuseOptions
-    from lightning_fuse.profiling import ProfileWindow
 
 
 @dataclass
@@ -60,7 +50,6 @@ class FitState:
         'eager (no plan was installed)'
     """
 
-    options: FuseOptions | None = None
     setting: Setting | None = None
     candidates: list[Plan] = field(default_factory=list)
     searching: bool = False
@@ -69,8 +58,10 @@ class FitState:
     dropped: str | None = None
     dropped_in_epoch: int | None = None
     tracker: CompileTracker = field(default_factory=CompileTracker)
-    cache: CompileCache | None = None
-    guard: BackwardGuard | None = None
+    hooks: FitHooks = field(default_factory=FitHooks)
+    """What the fit puts on the model and on torch (:mod:`~lightning_fuse.hooks`), taken off by :meth:`close`."""
+    gpu: GpuMeters = field(default_factory=GpuMeters)
+    """What the fit measures of the GPU besides step times (:mod:`~lightning_fuse.meters`)."""
     timer: StepTimer | None = None
     schedule: EagerSchedule = field(default_factory=lambda: EagerSchedule(0))
     activation_step: int = 0
@@ -82,7 +73,7 @@ class FitState:
     step_compiles: int = 0
     step_recordings: int = 0
     step_context: ExitStack = field(default_factory=ExitStack)
-    """The running step's contexts: the eager stance, the plan's modules run plainly, the FLOP counter."""
+    """The running step's contexts: the eager stance, the plan's modules bypassed, the FLOP counter."""
     pool: ReferencePool = field(default_factory=ReferencePool)
     """The last few reference chunks' eager step times: what each epoch's speedup divides."""
     compiled_ms: float | None = None
@@ -93,77 +84,25 @@ class FitState:
     """The fit's training time so far, as far as the timer saw it."""
     items: list[Any] = field(default_factory=list)
     partial_possible: dict[str, bool] = field(default_factory=dict)
-    recorded: tuple[tuple, dict] | None = None
-    shapes: CallShapes = field(default_factory=CallShapes)
-    """The shapes of the network's training calls before the plan was chosen."""
     varying_dims: set[int] = field(default_factory=set)
-    """The dims those shapes varied in: marked dynamic on every batch once the plan is chosen."""
-    attention: NoCudnnAttention = field(default_factory=NoCudnnAttention)
-    """cuDNN attention off in the plan's steps, where the lengths vary."""
+    """The dims the shapes of the first training calls varied in: marked dynamic on every batch once the plan is
+    chosen."""
     pace: RunningGuard = field(default_factory=RunningGuard)
-    profiles: dict[str, ProfileWindow] = field(default_factory=dict)
-    profile: ProfileWindow | None = None
-    profile_logged: bool = False
-    flops: Any = None
-    flops_per_batch: float | None = None
-    peak_flops: float | None = None
-    sampler: gpu.GpuSampler | None = None
     cache_at_start: tuple[int, int] = (0, 0)
     trees_at_start: tuple[int, int] = (0, 0)
     """torch's cudagraph trees at fit start: the graphs they held and inductor's cudagraph skips, on the fit's device
-    (:func:`cudagraph_trees`); both are process-wide, so the fit's own are what was added since."""
-    saved_recompile_limit: int | None = None
+    (:func:`~lightning_fuse.meters.cudagraph_trees`); both are process-wide, so the fit's own are what was added since."""
     fallbacks: dict[str, str] = field(default_factory=dict)
-    buckets: PadToBuckets | None = None
     decision_file: DecisionFile | None = None
     """Where the plan search's decision is cached (``None``: no cache, or no search)."""
-    no_cache: NoCacheInTraining | None = None
+    optimizer_graph: bool = True
+    """Whether the optimizers' updates may be captured (FuseCallback's ``optimizer_graph``)."""
     optimizer_graphs: list[OptimizerGraph | None] = field(default_factory=list)
     """Each optimizer's captured update, in the Trainer's order (``None``: it steps as always)."""
     optimizer_verdict_pending: bool = False
     """Several processes: rank zero's optimizer-graph trial has yet to decide every rank's graphs."""
     capture_optimizer: Any = None
     """How an optimizer's update is captured (``None``: in a CUDA graph; a test on CPU fakes it)."""
-    _recorder: Any = None
-
-    # ------------------------------------------------------------------ the fit's start
-    def start_recording(self) -> None:
-        """Record the network's training inputs (and their shapes) until the plan is chosen."""
-        # first of the hooks: the search replays the call as the training step makes it, so that a graph it captures
-        # has the signature the training calls have (not the one other hooks, use_cache=False, turn it into)
-        self._recorder = self.setting.target[1].register_forward_pre_hook(self._record, with_kwargs=True, prepend=True)
-
-    def _record(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if module.training and torch.is_grad_enabled() and self.plan is None:
-            self.recorded = (args, kwargs)
-            self.shapes.add(args, kwargs)
-
-    def stop_recording(self) -> None:
-        if self._recorder is not None:
-            self._recorder.remove()
-            self._recorder = None
-
-    def raise_recompile_limit(self) -> None:
-        """Raise dynamo's recompile limit for the fit (:meth:`close` puts it back)."""
-        self.saved_recompile_limit = compat.dynamo_recompile_limit()
-        # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
-        # reached before ours; our limit is per region and enforced in compiler.CompiledRegion.
-        regions = max(1, len(self.setting.regions))
-        compat.set_dynamo_recompile_limit(max(self.saved_recompile_limit,
-                                              min(256, (self.options.recompile_limit + 1) * regions)))  # fmt: skip
-
-    def start_gpu_metrics(self, precision: str, pl_module: pl.LightningModule) -> None:
-        """Peak FLOPs for MFU and NVML sampling, on a CUDA device (``precision``: the Trainer's)."""
-        device = pl_module.device
-        if device.type != "cuda":
-            rank_zero_info("FuseCallback: no CUDA device, so GPU utilisation, MFU and peak memory are not measured.")
-            return
-        self.peak_flops = gpu.peak_flops(device, gpu.compute_dtype(precision))
-        self.flops_per_batch = getattr(pl_module, "flops_per_batch", None)
-        if self.options.gpu_sample_hz > 0:
-            self.sampler = gpu.GpuSampler(gpu.nvml_index(device), hz=self.options.gpu_sample_hz)
-            if not self.sampler.start():
-                self.sampler = None
 
     def plan_name(self) -> str:
         return self.plan.name if self.plan is not None else "eager"
@@ -183,11 +122,6 @@ class FitState:
         """Whether the plan in force runs anything but the plain eager network."""
         return self.plan is not None and bool(self.plan.modules())
 
-    @property
-    def graph(self) -> GraphedModule | None:
-        """The plan's CUDA graph over the network, if it has one."""
-        return self.plan.graph if self.plan is not None else None
-
     def begin_step(self, batch: Any, batch_idx: int, length_fn: Callable[[Any], Any] | None,
                    iteration_start: bool = True, zeroed_after_forward: bool = False) -> None:  # fmt: skip
         """Decide what this step is (eager or the plan; timed, reference lead-in, or skipped) and enter it: an eager
@@ -198,9 +132,8 @@ class FitState:
         size = batch_size(batch)
         self.nominal_batch = max(self.nominal_batch, size)
         eager = self.plan is None or self.schedule.is_eager(self.steps)
-        self.no_cache.enabled = not eager and self.runs_compiled()  # eager steps run the user's call as written
-        self.attention.enabled = self.no_cache.enabled
-        timed, profile = self.step_timing(eager, size)
+        self.hooks.set_plan_step(not eager and self.runs_compiled())
+        timed, profiled = self.step_timing(eager, size)
         self.step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.schedule.is_lead_in(self.steps):
             self.step_kind = LEAD_IN  # untimed, but part of the reference's cost
@@ -211,41 +144,43 @@ class FitState:
         self.step_compiles, self.step_recordings = self.tracker.total_compiles, self.tracker.recordings
         # the running guard times the plan's steps, eager's timed reference steps and the eager steps before the plan
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
-        if self.graph is not None:
-            self.graph.grads_zeroed_after_forward = zeroed_after_forward
+        if self.plan is not None and self.plan.graph is not None:
+            self.plan.graph.grads_zeroed_after_forward = zeroed_after_forward
         for graph in filter(None, self.optimizer_graphs):
             graph.enabled = not eager  # an eager reference step's update is the optimizer's own
         if eager:
-            self._enter_eager(count_flops=self.needs_flops() and not timed and profile is None)
+            self._enter_eager(count_flops=self.gpu.needs_flops() and not timed and not profiled)
         elif iteration_start:
             self.plan.step_begin()
-        self.guard.arm(batch, batch_idx, armed=not eager and self.plan.owned)
+        self.hooks.guard.arm(batch, batch_idx, armed=not eager and self.plan.owned)
 
     def _enter_eager(self, count_flops: bool) -> None:
         self.step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
-        self.step_context.enter_context(plain_eager(self.plan.modules() if self.plan else []))
+        if self.plan is not None:
+            self.step_context.enter_context(self.plan.bypassed())
         if count_flops:
-            self.flops = self.step_context.enter_context(gpu.count_step_flops())
+            self.gpu.count_flops(self.step_context)
 
-    def step_timing(self, eager: bool, size: int) -> tuple[bool, ProfileWindow | None]:
-        """Whether this step is timed, and the profile window it runs in (profiled steps are never timed)."""
+    def step_timing(self, eager: bool, size: int) -> tuple[bool, bool]:
+        """Whether this step is timed, and whether it is profiled (profiled steps are never timed)."""
+        profiles = self.gpu.profiles
         if eager:
             timed = self.schedule.is_timed(self.steps)
-            profile = self.profiles[EAGER] if self.profiles and self.schedule.is_profiled(self.steps) else None
+            profile = profiles[EAGER] if profiles and self.schedule.is_profiled(self.steps) else None
         else:
             timed = self.steps >= self.activation_step + self.warmup
-            window = self.profiles.get(COMPILED)
+            window = profiles.get(COMPILED)
             profile = window if timed and window is not None and not window.done else None
         if profile is not None:
             profile.step_start()
-        self.profile = profile
-        return timed and size == self.nominal_batch and profile is None, profile
+        self.gpu.profile = profile
+        return timed and size == self.nominal_batch and profile is None, profile is not None
 
     def end_step(self) -> list[float] | None:
         """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled, captured a graph of
         ours or recorded one of torch's cudagraph trees is kept out), its contexts left; at the end of a running
         guard's window, that window's plan step times (recording steps left out, compiling ones in)."""
-        graph = self.graph
+        graph = self.plan.graph if self.plan is not None else None
         compiled_now = self.tracker.total_compiles != self.step_compiles
         recorded_now = self.tracker.recordings != self.step_recordings
         captured_now = graph is not None and graph.captured_during_last_call
@@ -253,8 +188,8 @@ class FitState:
         if compiled_now or recorded_now:  # a one-time cost, which the optimizer graph's trial leaves out too
             for optimizer_graph in filter(None, self.optimizer_graphs):
                 optimizer_graph.leave_step_untimed()
-        if self.profile is not None:
-            self.profile.step_end()
+        if self.gpu.profile is not None:
+            self.gpu.profile.step_end()
         self.close_step_context()
         self.steps += 1
         return self.pace.end(judged=not recorded_now)
@@ -262,9 +197,7 @@ class FitState:
     def close_step_context(self) -> None:
         """Leave the running step's contexts, keeping the FLOPs it counted."""
         self.step_context.close()
-        if self.flops is not None:
-            self.flops_per_batch = float(self.flops.total) or None
-            self.flops = None
+        self.gpu.keep_flops()
 
     def mark_dynamic(self, dims: DynamicDims, batch: Any, stage: str, loaders: Callable[[], Any]) -> None:
         """Mark the batch's varying dims dynamic for the regions (the loaders are read once per stage)."""
@@ -284,16 +217,13 @@ class FitState:
         window was mostly the eager reference, or eager's step is unknown)."""
         return window_speedup(plan_ms, self.eager_step_ms(), least=self.pace.window // 2)
 
-    def needs_flops(self) -> bool:
-        return self.peak_flops is not None and self.flops_per_batch is None
-
     # ------------------------------------------------------------------ what ran
     def what_ran(self) -> str:
         """The plan in force at the end, and what became of its graph and regions."""
         parts = [self.plan.describe() if self.plan is not None else "eager (no plan was installed)"]
         if self.dropped:
             parts.append(f"plan dropped: {self.dropped}")
-        graph = self.graph
+        graph = self.plan.graph if self.plan is not None else None
         if graph is not None:
             parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
                          else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip
@@ -367,32 +297,10 @@ class FitState:
         """Undo everything the fit changed: the step's contexts, the plan, hooks, torch settings, the cache's
         environment."""
         self.close_step_context()
-        for window in self.profiles.values():
-            window.abort()
+        self.gpu.stop()
         self.uninstall_plan()
         self.tracker.remove()
-        self.stop_recording()
-        if self.no_cache is not None:
-            self.no_cache.uninstall()
-        self.attention.restore()
-        if self.guard is not None:
-            self.guard.uninstall()
-        if self.sampler is not None:
-            self.sampler.stop()
-            self.sampler = None
-        if self.cache is not None:
-            self.cache.deactivate()
-        if self.saved_recompile_limit is not None:
-            compat.set_dynamo_recompile_limit(self.saved_recompile_limit)
-            self.saved_recompile_limit = None
-
-
-def cudagraph_trees(device: torch.device) -> tuple[int, int]:
-    """The CUDA graphs torch's cudagraph trees hold on ``device`` and inductor's cudagraph skips, so far in this
-    process (:func:`compat.cudagraph_tree_stats`); ``(0, 0)`` off CUDA."""
-    if device.type != "cuda":
-        return 0, 0
-    return compat.cudagraph_tree_stats(device.index if device.index is not None else torch.cuda.current_device())
+        self.hooks.remove()
 
 
 @rank_zero_only

@@ -21,40 +21,34 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_fuse.cache import cache_counters
-from lightning_fuse.fit import cudagraph_trees
+from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.metrics import epoch_metrics, measure_only_line, per_rank, scalars, summary_table, verdict_line
-from lightning_fuse.profiling import ProfileWindow
-from lightning_fuse.timing import COMPILED, EAGER, EagerSchedule, StepTimer, summarize
+from lightning_fuse.timing import EAGER, EagerSchedule, StepTimer, summarize
 
 if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
     from lightning_fuse.fit import FitState
+    from lightning_fuse.options import FuseOptions
 
 log = logging.getLogger("lightning_fuse")
 
 
 # ------------------------------------------------------------------ the fit's start
-def start_measuring(fit: FitState, device: torch.device) -> None:
-    """The step timer, the profile windows, the eager reference's schedule, and the counters' values at fit start
-    (compile cache hits and misses, torch's cudagraph trees), which the fit's own are counted from."""
-    options = fit.options
+def start_measuring(fit: FitState, options: FuseOptions, pl_module: pl.LightningModule, precision: str) -> None:
+    """The step timer, the GPU's meters and profile windows (``precision``: the Trainer's), the eager reference's
+    schedule, and the counters' values at fit start (compile cache hits and misses, torch's cudagraph trees), which
+    the fit's own are counted from."""
+    device = pl_module.device
     fit.timer = StepTimer(device)
-    fit.profiles = _profiles(options.profile_steps, device)
+    fit.gpu.start(device, precision, getattr(pl_module, "flops_per_batch", None), options.gpu_sample_hz,
+                  options.profile_steps)  # fmt: skip
     fit.schedule = EagerSchedule(options.eager_steps, reference_budget=options.reference_budget,
-                                 profiled=options.profile_steps if fit.profiles else 0)  # fmt: skip
+                                 profiled=options.profile_steps if fit.gpu.profiles else 0)  # fmt: skip
     fit.cache_at_start = cache_counters()
     fit.trees_at_start = cudagraph_trees(fit.setting.device)
-
-
-def _profiles(steps: int, device: torch.device) -> dict[str, ProfileWindow]:
-    if not steps:
-        return {}
-    if device.type != "cuda":
-        rank_zero_info("FuseCallback: `profile_steps` counts GPU kernels and needs a CUDA device; skipped.")
-        return {}
-    return {COMPILED: ProfileWindow(steps), EAGER: ProfileWindow(steps)}
 
 
 # ------------------------------------------------------------------ each epoch's end
@@ -78,7 +72,7 @@ def end_epoch(fit: FitState, epoch: int, device: torch.device,
     return epoch_metrics(
         timing, fit.nominal_batch, fit.tracker.total_s, fit.tracker.total_recompiles,
         items_per_batch=float(sum(fit.items)) / len(fit.items) if fit.items else None,  # one sync
-        flops_per_batch=fit.flops_per_batch, peak_flops=fit.peak_flops,
+        flops_per_batch=fit.gpu.flops_per_batch, peak_flops=fit.gpu.peak_flops,
         extra=epoch_extras(fit, device, gather), plan=fit.plan_name(),
     )  # fmt: skip
 
@@ -87,17 +81,17 @@ def epoch_extras(fit: FitState, device: torch.device,
                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:  # fmt: skip
     """The epoch's scalars beyond timing: GPU, memory, kernels, cache, graph breaks, what ran (``gather``: see
     :func:`end_epoch`)."""
-    extra = fit.sampler.read_and_reset() if fit.sampler else {}
+    extra = fit.gpu.read()
     if device.type == "cuda":
         extra["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-    extra.update(_kernel_metrics(fit))
+    extra.update(fit.gpu.kernel_metrics())
     if gather is not None and device.type == "cuda":  # a collective: every rank calls it
         mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=device)
         extra.update(per_rank("gpu_util", gather(mine).flatten().tolist()))
     hits, misses = (now - start for now, start in zip(cache_counters(), fit.cache_at_start))
-    graph = fit.graph
-    if fit.buckets is not None:
-        extra["pad_waste"] = fit.buckets.waste
+    graph = fit.plan.graph if fit.plan is not None else None
+    if fit.hooks.buckets is not None:
+        extra["pad_waste"] = fit.hooks.buckets.waste
     trees = fit.trees_recorded()
     if trees is not None:
         extra["graphs_recorded"] = float(trees[0])
@@ -106,20 +100,6 @@ def epoch_extras(fit: FitState, device: torch.device,
                  plan_dropped=float(fit.dropped is not None),
                  graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip
     return extra
-
-
-def _kernel_metrics(fit: FitState) -> dict[str, float]:
-    """The profiled kernel counts, once, in the epoch both windows finished."""
-    if fit.profile_logged or not fit.profiles or not all(w.done for w in fit.profiles.values()):
-        return {}
-    fit.profile_logged = True
-    compiled, eager = fit.profiles[COMPILED].result, fit.profiles[EAGER].result
-    return {
-        "kernels_per_step": compiled.kernels_per_step,
-        "eager_kernels_per_step": eager.kernels_per_step,
-        "gpu_busy_frac": compiled.gpu_busy_frac,
-        "eager_gpu_busy_frac": eager.gpu_busy_frac,
-    }
 
 
 def log_epoch(row: dict[str, Any], loggers: Sequence[Any], epoch: int) -> None:
@@ -140,7 +120,7 @@ def verdict(fit: FitState, history: list[dict[str, Any]]) -> str:
                         break_even_step=last.get("fuse/break_even_step"), dropped=fit.dropped,
                         dropped_in_epoch=fit.dropped_in_epoch,
                         device_type=fit.setting.device.type if fit.setting else "cpu",
-                        eager_steps=fit.options.eager_steps if fit.options else None,
+                        eager_steps=fit.schedule.eager_steps,
                         reference_steps=len(fit.pool.samples),
                         reference_cost=fit.reference_ms / fit.train_ms if fit.train_ms else None)  # fmt: skip
 

@@ -1,7 +1,8 @@
 """FuseCallback's arguments, checked before anything runs.
 
 Every check names the argument, the value received and what to pass instead, so a mistake fails at
-construction, not deep inside torch during the first step.
+construction, not deep inside torch during the first step. FuseCallback's signature takes its defaults from here
+(:data:`RECOMPILE_LIMIT`, :data:`REFERENCE_BUDGET` and :data:`AUTO`, each defined by the module that acts on it).
 
 Example::
 

@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,7 @@ from lightning_fuse.compiler import (
     CompileOptions,
     RepeatedSizes,
     RegionPolicy,
+    plain_eager,
     uncompile_regions,
 )
 from lightning_fuse.graphs import GraphedModule, graph_target, syncs_between_regions, syncs_when_compiled
@@ -128,6 +130,10 @@ class Plan:
     def modules(self) -> list[nn.Module]:
         """The modules carrying something of this plan (bypassed by the eager reference steps)."""
         return []
+
+    def bypassed(self) -> AbstractContextManager[None]:
+        """Inside it, :meth:`modules` run their plain eager call, as the user's own code (an eager reference step)."""
+        return plain_eager(self.modules())
 
     @property
     def failure(self) -> str | None:

@@ -28,11 +28,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lightning_fuse.buckets import PadToBuckets
+from lightning_fuse import compat
 from lightning_fuse.cache import CompileCache, cache_key
 from lightning_fuse.fit import FitState
-from lightning_fuse.guard import BackwardGuard
-from lightning_fuse.kv_cache import NoCacheInTraining
+from lightning_fuse.hooks import FitHooks
 from lightning_fuse.measurement import start_measuring
 from lightning_fuse.plan import Setting, UserCompiled, candidates, fit_setting, forced_plan, user_compiled
 from lightning_fuse.regions import AUTO, format_plan
@@ -50,6 +49,7 @@ SHAPE_STEPS = 3
 def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size: int,
               precision: Precision) -> FitState:  # fmt: skip
     """A fit's state at its start: the candidates built, the timer and schedule ready, inputs being recorded.
+    First, the private torch APIs FuseCallback needs are checked (an error names what this torch lacks).
 
     Args:
         options: FuseCallback's options.
@@ -57,24 +57,18 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
         world_size: The number of processes.
         precision: The Trainer's precision plugin.
     """
+    compat.check_private_apis()
     setting = fit_setting(options, pl_module, world_size)
     fit = _with_candidates(options, setting, pl_module)
-    fit.buckets = PadToBuckets(options.pad_buckets) if options.pad_buckets else None
-    start_measuring(fit, pl_module.device)
+    start_measuring(fit, options, pl_module, str(precision.precision))
     fit.activation_step = max(fit.schedule.start_length, SHAPE_STEPS if fit.searching else 0)
     graphs = any(plan.records_graphs for plan in fit.candidates)
     fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
-    fit.raise_recompile_limit()
+    fit.optimizer_graph = options.optimizer_graph
     fit.tracker.install()
-    fit.no_cache = NoCacheInTraining(setting.target[1])
-    fit.no_cache.install()
-    setting.policy.as_called = fit.no_cache.as_called
-    fit.start_recording()
-    scaler = getattr(precision, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
-    fit.guard = BackwardGuard(fit.drop_plan, precision.forward_context,
-                              scaler.scale if scaler is not None else lambda loss: loss)  # fmt: skip
-    fit.guard.install(pl_module)
-    fit.start_gpu_metrics(str(precision.precision), pl_module)
+    fit.hooks = FitHooks.install(setting.target[1], pl_module, precision, fit.drop_plan, options.pad_buckets)
+    fit.hooks.raise_recompile_limit(len(setting.regions), options.recompile_limit)
+    setting.policy.as_called = fit.hooks.no_cache.as_called
     return fit
 
 
@@ -83,7 +77,7 @@ def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.Light
     the one plan explicit settings force."""
     searching = options.mode == AUTO and options.cuda_graph == AUTO and options.targets in (AUTO, (AUTO,))
     precompiled = user_compiled(pl_module)
-    fit = FitState(options=options, setting=setting, searching=searching and not precompiled, tracker=setting.tracker)
+    fit = FitState(setting=setting, searching=searching and not precompiled, tracker=setting.tracker)
     if precompiled:
         fit.candidates = [UserCompiled(precompiled)]
     elif fit.searching:

@@ -486,6 +486,11 @@ class ReferencePool:
         ``None`` when the pool is empty."""
         return epoch - self._steps[-1][0] if self._steps else None
 
+    @property
+    def thin(self) -> bool:
+        """Fewer pooled steps than :data:`THIN_REFERENCE`: too few for the interval to judge a plan by."""
+        return len(self._steps) < THIN_REFERENCE
+
     def median(self) -> float | None:
         """The pooled median (ms), the eager estimate to plan the next epoch with, or ``None`` when empty."""
         return statistics.median(self.samples) if self._steps else None

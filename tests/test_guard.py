@@ -7,9 +7,10 @@ import torch
 from lightning_fuse import FuseCallback, compat
 from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.decision import Decision
-from lightning_fuse.fit import FitState, cudagraph_trees
+from lightning_fuse.fit import FitState
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.measurement import epoch_extras
+from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
 from lightning_fuse.regions import resolve_regions
 from tests.toy import ToyTask, trainer
@@ -61,7 +62,7 @@ def test_a_fault_in_a_compiled_backward_on_the_first_compiled_step_costs_the_pla
     torch.testing.assert_close(fused_losses, eager_losses, rtol=1e-5, atol=1e-6)
     for a, b in zip(eager_task.parameters(), fused_task.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert fuse.fit.guard is not None and fuse.fit.guard.redone_steps == 1
+    assert fuse.fit.hooks.guard is not None and fuse.fit.hooks.guard.redone_steps == 1
     assert fuse.plan.name == "eager" and "backward raised" in fuse.fit.dropped
     assert fuse.history[-1]["fuse/plan_dropped"] == 1.0
 
@@ -72,7 +73,7 @@ def test_the_search_catches_a_backward_fault_before_any_training_step_sees_it():
     fused_losses, _ = losses_of([fuse])
     outcomes = {t.name: t.outcome for t in fuse.decision.trials}
     assert outcomes["regions"].startswith("failed: AssertionError: Unexpected state")
-    assert fuse.plan.name == "eager" and fuse.fit.guard.redone_steps == 0
+    assert fuse.plan.name == "eager" and fuse.fit.hooks.guard.redone_steps == 0
     torch.testing.assert_close(fused_losses, eager_losses, rtol=1e-5, atol=1e-6)
 
 

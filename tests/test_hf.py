@@ -127,7 +127,7 @@ class FirstCompiledStep(Callback):
         self.raised = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        guard = self.cb.fit.guard
+        guard = self.cb.fit.hooks.guard
         if self.armed_at is None and guard is not None and guard.armed:
             self.armed, self.armed_at = True, trainer.global_step
 
@@ -165,7 +165,7 @@ def test_a_compiled_backward_that_raises_costs_the_plan_not_the_run(monkeypatch,
     if mode == "auto":
         assert cb.decision.winner == "regions"
     assert "injected failure in a compiled backward" in cb.fit.dropped
-    assert cb.fit.guard.redone_steps == 1
+    assert cb.fit.hooks.guard.redone_steps == 1
     assert cb.plan.name == "eager"  # dropped: the rest of the fit trained eagerly
     assert_same_training(fused, eager)
 
@@ -193,7 +193,7 @@ class CacheSpy(Callback):
 
     def spy(self, module, args, out):
         self.caches.append(getattr(out, "past_key_values", None) is not None)
-        self.eager.append(not self.fuse.fit.no_cache.enabled)
+        self.eager.append(not self.fuse.fit.hooks.no_cache.enabled)
 
     def on_fit_end(self, trainer, pl_module):
         self.handle.remove()

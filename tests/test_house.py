@@ -14,8 +14,8 @@ A test whose whole body is ``pytest.skip(...)`` is exempt; a test that skips onl
 
 And the package's own shape (issue 27: the house), each module of ``lightning_fuse`` one job: no module over 300
 lines of code (docstrings, comments and blank lines aside), none importing more than 8 of the package's other
-modules when it runs (an import under ``if TYPE_CHECKING:`` names types for annotations and never runs), and no
-cycle of imports, those for type checking included.
+modules, and no cycle of imports; an import under ``if TYPE_CHECKING:``, which names types for annotations and never
+runs, counts as an import all the same (a module that names many others' types depends on them).
 """
 
 from __future__ import annotations
@@ -283,21 +283,14 @@ def code_lines(source: str) -> int:
     return len(lines - docstrings)
 
 
-def _type_checking_only(node: ast.AST) -> bool:
-    return isinstance(node, ast.If) and dotted(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-
-
-def imported_siblings(source: str, siblings: set[str], runtime_only: bool = False) -> set[str]:
+def imported_siblings(source: str, siblings: set[str]) -> set[str]:
     """The modules of ``siblings`` that ``source``, a module of ``lightning_fuse``, imports: ``from lightning_fuse
-    import x``, ``from lightning_fuse.x import ...`` or ``import lightning_fuse.x``, at its top or in a function.
-    ``runtime_only`` leaves out the imports under ``if TYPE_CHECKING:`` (types for annotations: they never run)."""
+    import x``, ``from lightning_fuse.x import ...`` or ``import lightning_fuse.x``, at its top, in a function or
+    under ``if TYPE_CHECKING:``."""
     found = set()
     todo = list(ast.parse(source).body)
     while todo:
         node = todo.pop()
-        if runtime_only and _type_checking_only(node):
-            todo.extend(node.orelse)
-            continue
         if isinstance(node, ast.ImportFrom) and node.module == PACKAGE.name:
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{PACKAGE.name}."):
@@ -308,10 +301,10 @@ def imported_siblings(source: str, siblings: set[str], runtime_only: bool = Fals
     return found & siblings
 
 
-def import_graph(root: Path = PACKAGE, runtime_only: bool = False) -> dict[str, set[str]]:
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
     """Each module of the package under ``root`` -> the other modules of it that it imports."""
     sources = {path.stem: path.read_text() for path in sorted(root.glob("*.py"))}
-    return {name: imported_siblings(source, set(sources) - {name}, runtime_only) for name, source in sources.items()}
+    return {name: imported_siblings(source, set(sources) - {name}) for name, source in sources.items()}
 
 
 def import_cycle(graph: dict[str, set[str]]) -> list[str]:
@@ -344,12 +337,12 @@ def test_no_module_is_over_300_lines_of_code():
 
 
 def test_no_module_imports_more_than_8_of_its_siblings():
-    over = {name: sorted(found) for name, found in import_graph(runtime_only=True).items() if len(found) > MAX_SIBLINGS}
+    over = {name: sorted(found) for name, found in import_graph().items() if len(found) > MAX_SIBLINGS}
     assert not over, f"modules importing more than {MAX_SIBLINGS} other modules of lightning_fuse: {over}"
 
 
 def test_no_import_cycle():
-    cycle = import_cycle(import_graph())  # imports for type checking only count too
+    cycle = import_cycle(import_graph())
     assert not cycle, f"modules of lightning_fuse import each other: {' -> '.join(cycle)}"
 
 
@@ -384,12 +377,10 @@ class Thing:
 def test_the_shape_checks_can_fail(tmp_path):
     assert code_lines(SHAPE_SAMPLE) == 13
     siblings = {"compat", "plan", "fit", "timing", "gpu"}
-    assert imported_siblings(SHAPE_SAMPLE, siblings) == {"compat", "plan", "fit", "timing"}
-    assert imported_siblings(SHAPE_SAMPLE, siblings, runtime_only=True) == {"compat", "plan", "timing"}
+    assert imported_siblings(SHAPE_SAMPLE, siblings) == {"compat", "plan", "fit", "timing"}  # not_a_module, gpu: no
     for name, imports in {"a": "from lightning_fuse import b", "b": "import lightning_fuse.c", "c": "",
                           "d": "if TYPE_CHECKING:\n    from lightning_fuse.a import x"}.items():  # fmt: skip
         (tmp_path / f"{name}.py").write_text(imports)
     assert import_cycle(import_graph(tmp_path)) == []
     (tmp_path / "c.py").write_text("def late():\n    from lightning_fuse.d import y")
-    assert import_cycle(import_graph(tmp_path)) == ["a", "b", "c", "d", "a"]
-    assert import_cycle(import_graph(tmp_path, runtime_only=True)) == []
+    assert import_cycle(import_graph(tmp_path)) == ["a", "b", "c", "d", "a"]  # through d's import for types

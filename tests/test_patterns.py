@@ -164,7 +164,7 @@ def test_sequence_length_varies_per_batch(monkeypatch, caplog):
     regions = [r.name for r in cb.plan.runners]
     assert regions == ["model.blocks.0", "model.blocks.1"]
     # the search saw the first steps' lengths vary: the length dim compiles as dynamic, buckets are suggested
-    assert cb.fit.shapes.calls == 3 and cb.fit.varying_dims == {1}
+    assert cb.fit.hooks.shapes.calls == 3 and cb.fit.varying_dims == {1}
     [note] = [r.getMessage() for r in caplog.records if "input shapes vary" in r.getMessage()]
     assert "dim 1 is compiled as dynamic" in note and "FuseCallback(pad_buckets=[" in note
     reasons = {name: stats.recompile_reasons for name, stats in cb.tracker.regions.items()}

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_fuse import FuseCallback, gpu
-from lightning_fuse.fit import FitState
+from lightning_fuse.meters import GpuMeters
 from tests.fake_nvml import FakeNvml
 from tests.faults import (
     BLOCKS,
@@ -341,8 +341,8 @@ def test_a_recompile_storm_is_bounded_within_a_fit(action):
 def test_nvml_missing_or_failing_mid_run_stops_gpu_metrics_with_at_most_one_warning(monkeypatch, nvml):
     fake = FakeNvml(available=nvml != "missing")
 
-    def start_with_fake_nvml(self, precision, pl_module):
-        # the CUDA-only part of FitState.start_gpu_metrics, with the fake NVML in place of pynvml
+    def start_with_fake_nvml(self, device, precision, flops_per_batch, sample_hz, profile_steps):
+        # the CUDA-only part of GpuMeters.start, with the fake NVML in place of pynvml
         self.sampler = gpu.GpuSampler(0, hz=200, nvml=fake)
         if not self.sampler.start():
             self.sampler = None
@@ -358,7 +358,7 @@ def test_nvml_missing_or_failing_mid_run_stops_gpu_metrics_with_at_most_one_warn
                     time.sleep(0.005)
                 time.sleep(0.05)  # the sampler thread records the error and ends
 
-    monkeypatch.setattr(FitState, "start_gpu_metrics", start_with_fake_nvml)
+    monkeypatch.setattr(GpuMeters, "start", start_with_fake_nvml)
     task = RecordingTask()
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=0)
     with warnings.catch_warnings(record=True) as record:

@@ -10,10 +10,11 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback, choice
-from lightning_fuse.buckets import suggest_buckets
+from lightning_fuse.buckets import PadToBuckets, suggest_buckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, RepeatedSizes
 from lightning_fuse.graphs import graph_target
+from lightning_fuse.hooks import FitHooks
 from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
 from lightning_fuse.running_guard import BEFORE, EAGER, PLAN, RunningGuard, window_speedup
@@ -58,23 +59,23 @@ def test_with_varying_shapes_only_torch_graphs_per_size_compete_unless_lengths_a
 @pytest.mark.parametrize(("device", "buckets", "applies"), [("cuda", None, True), ("cuda", (64, 128), False),
                                                         ("cpu", None, False)])  # fmt: skip
 def test_varying_lengths_on_cuda_leave_cudnn_attention_out_of_the_plans_steps_only(device, buckets, applies, caplog):
-    fit = SimpleNamespace(shapes=lengths_seen(64, 200, 97), options=SimpleNamespace(pad_buckets=buckets),
-                          searching=False, candidates=[], setting=SimpleNamespace(device=torch.device(device)),
-                          attention=NoCudnnAttention(), varying_dims=set())  # fmt: skip
+    hooks = FitHooks(shapes=lengths_seen(64, 200, 97), buckets=PadToBuckets(buckets) if buckets else None)
+    fit = SimpleNamespace(hooks=hooks, searching=False, candidates=[],
+                          setting=SimpleNamespace(device=torch.device(device)), varying_dims=set())  # fmt: skip
     with caplog.at_level("INFO"):
         choice._hold_over_varying_shapes(fit)
     assert fit.varying_dims == {1}
-    assert fit.attention.applies is applies
+    assert fit.hooks.attention.applies is applies
     assert any("builds a plan for each new length" in r.getMessage() for r in caplog.records) is applies
     try:
-        fit.attention.enabled = True  # a plan step (and the search)
+        fit.hooks.attention.enabled = True  # a plan step (and the search)
         assert torch.backends.cuda.cudnn_sdp_enabled() is not applies
-        fit.attention.enabled = False  # an eager reference step: the user's setting
+        fit.hooks.attention.enabled = False  # an eager reference step: the user's setting
         assert torch.backends.cuda.cudnn_sdp_enabled()
-        fit.attention.enabled = True
+        fit.hooks.attention.enabled = True
     finally:
-        fit.attention.restore()  # at the fit's end, whatever the last step was
-    assert torch.backends.cuda.cudnn_sdp_enabled() and not fit.attention.applies
+        fit.hooks.attention.restore()  # at the fit's end, whatever the last step was
+    assert torch.backends.cuda.cudnn_sdp_enabled() and not fit.hooks.attention.applies
 
 
 def test_a_user_who_turned_cudnn_attention_off_keeps_it_off():

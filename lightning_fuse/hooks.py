@@ -1,0 +1,126 @@
+"""What a fit puts on the model and on torch, and takes off at its end.
+
+:class:`FitHooks` holds each of them: the recorder of the network's training inputs (until the plan is chosen),
+``use_cache=False`` in an HF causal LM's training calls (:mod:`~lightning_fuse.kv_cache`), cuDNN attention left out
+where the lengths vary (:class:`~lightning_fuse.call_shapes.NoCudnnAttention`), the backward guard
+(:mod:`~lightning_fuse.guard`), dynamo's recompile limit raised for the regions, the compile cache's environment
+(:mod:`~lightning_fuse.cache`), and the buckets that pad the batches (:mod:`~lightning_fuse.buckets`).
+:meth:`FitHooks.install` puts them on at fit start, :meth:`FitHooks.remove` takes every one off.
+
+Example::
+
+    >>> import torch
+    >>> net = torch.nn.Linear(2, 2)
+    >>> hooks = FitHooks()
+    >>> hooks.start_recording(net)
+    >>> _ = net(torch.zeros(3, 2))
+    >>> hooks.shapes.calls, hooks.recorded[0][0].shape
+    (1, torch.Size([3, 2]))
+    >>> hooks.remove()  # the recorder, and whatever else was put on, taken off
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lightning_fuse import compat
+from lightning_fuse.buckets import PadToBuckets
+from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
+from lightning_fuse.guard import BackwardGuard
+from lightning_fuse.kv_cache import NoCacheInTraining
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.plugins import Precision
+
+    from lightning_fuse.cache import CompileCache
+
+
+@dataclass
+class FitHooks:
+    """The hooks and settings of one fit, each removed by :meth:`remove`.
+
+    Example::
+
+        >>> FitHooks().buckets is None
+        True
+    """
+
+    no_cache: NoCacheInTraining | None = None
+    guard: BackwardGuard | None = None
+    attention: NoCudnnAttention = field(default_factory=NoCudnnAttention)
+    """cuDNN attention off in the plan's steps, where the lengths vary."""
+    cache: CompileCache | None = None
+    buckets: PadToBuckets | None = None
+    shapes: CallShapes = field(default_factory=CallShapes)
+    """The shapes of the network's training calls before the plan was chosen."""
+    recorded: tuple[tuple, dict] | None = None
+    """The network's last training call before the plan was chosen: the plan search's input."""
+    saved_recompile_limit: int | None = None
+    _recorder: Any = None
+
+    @classmethod
+    def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
+                on_failure: Callable[[str], None], pad_buckets: list[int] | tuple[int, ...] | None) -> FitHooks:  # fmt: skip
+        """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, the backward guard on
+        ``pl_module`` (``on_failure``: the plan dropped; a redone step runs in ``precision``'s autocast and loss
+        scale), the buckets where ``pad_buckets`` are given."""
+        hooks = cls(buckets=PadToBuckets(pad_buckets) if pad_buckets else None)
+        hooks.no_cache = NoCacheInTraining(network)
+        hooks.no_cache.install()
+        hooks.start_recording(network)
+        scaler = getattr(precision, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
+        hooks.guard = BackwardGuard(on_failure, precision.forward_context,
+                                    scaler.scale if scaler is not None else lambda loss: loss)  # fmt: skip
+        hooks.guard.install(pl_module)
+        return hooks
+
+    def start_recording(self, network: nn.Module) -> None:
+        """Record the network's training inputs (and their shapes) until :meth:`stop_recording`."""
+        # first of the hooks: the search replays the call as the training step makes it, so that a graph it captures
+        # has the signature the training calls have (not the one other hooks, use_cache=False, turn it into)
+        self._recorder = network.register_forward_pre_hook(self._record, with_kwargs=True, prepend=True)
+
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled():
+            self.recorded = (args, kwargs)
+            self.shapes.add(args, kwargs)
+
+    def stop_recording(self) -> None:
+        if self._recorder is not None:
+            self._recorder.remove()
+            self._recorder = None
+
+    def raise_recompile_limit(self, regions: int, limit: int) -> None:
+        """Raise dynamo's recompile limit for ``regions`` regions that may recompile ``limit`` times each
+        (:meth:`remove` puts it back)."""
+        self.saved_recompile_limit = compat.dynamo_recompile_limit()
+        # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
+        # reached before ours; our limit is per region and enforced in compiler.CompiledRegion.
+        compat.set_dynamo_recompile_limit(max(self.saved_recompile_limit, min(256, (limit + 1) * max(1, regions))))
+
+    def set_plan_step(self, plan_step: bool) -> None:
+        """The plan's steps (``plan_step``) run without the KV cache and, where the lengths vary, without cuDNN
+        attention; eager steps run the user's call and settings as written."""
+        if self.no_cache is not None:
+            self.no_cache.enabled = plan_step
+        self.attention.enabled = plan_step
+
+    def remove(self) -> None:
+        """Take off everything :meth:`install` put on, and put torch's settings back."""
+        self.stop_recording()
+        if self.no_cache is not None:
+            self.no_cache.uninstall()
+        self.attention.restore()
+        if self.guard is not None:
+            self.guard.uninstall()
+        if self.cache is not None:
+            self.cache.deactivate()
+        if self.saved_recompile_limit is not None:
+            compat.set_dynamo_recompile_limit(self.saved_recompile_limit)
+            self.saved_recompile_limit = None
