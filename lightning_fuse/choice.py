@@ -139,4 +139,3 @@ def _hold_over_varying_shapes(fit: FitState) -> None:
     rank_zero_info(shapes.note([plan.name for plan in left_out], buckets))
     if fit.setting.device.type == "cuda" and not buckets:
         fit.hooks.attention.apply()
-

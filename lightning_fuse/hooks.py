@@ -21,7 +21,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +66,7 @@ class FitHooks:
 
     @classmethod
     def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
-                on_failure: Callable[[str], None], pad_buckets: list[int] | tuple[int, ...] | None) -> FitHooks:  # fmt: skip
+                on_failure: Callable[[str], None], pad_buckets: Sequence[int] | None) -> FitHooks:  # fmt: skip
         """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, the backward guard on
         ``pl_module`` (``on_failure``: the plan dropped; a redone step runs in ``precision``'s autocast and loss
         scale), the buckets where ``pad_buckets`` are given."""

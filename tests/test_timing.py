@@ -247,11 +247,12 @@ def test_degenerate_samples_give_the_point_alone_and_never_raise(eager, compiled
 
 def test_the_reference_pool_keeps_the_last_chunks_so_the_median_follows_drift():
     pool = ReferencePool(chunks=2)
-    assert pool.median() is None and pool.epochs is None
+    assert pool.median() is None and pool.epochs is None and pool.thin
     pool.add([30.0] * 5, epoch=0)
+    assert pool.thin  # one chunk: too few steps to judge a plan by (THIN_REFERENCE)
     pool.add([33.0] * 5, epoch=3)
     pool.add([36.0] * 5, epoch=6)  # the machine's eager speed drifted: the oldest chunk leaves
-    assert pool.samples == [33.0] * 5 + [36.0] * 5 and pool.epochs == (3, 6)
+    assert pool.samples == [33.0] * 5 + [36.0] * 5 and pool.epochs == (3, 6) and not pool.thin
     assert pool.median() == pytest.approx(34.5)
     restored = ReferencePool(chunks=2)
     restored.load_state_dict(pool.state_dict())

@@ -1,0 +1,57 @@
+"""What a fit puts on the model and on torch (lightning_fuse.hooks) is taken off again, all of it."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch.plugins import Precision
+from torch import nn
+
+from lightning_fuse import compat
+from lightning_fuse.hooks import FitHooks
+from tests.toy import ToyTask
+
+
+class CachedLM(nn.Module):
+    """An HF-style causal LM: a config with use_cache on, a forward that takes it."""
+
+    config = type("Config", (), {"use_cache": True})()
+
+    def forward(self, x: torch.Tensor, use_cache: bool | None = None) -> torch.Tensor:
+        self.use_cache = use_cache
+        return x
+
+
+def test_install_then_remove_leaves_the_model_and_torch_as_they_were():
+    task, network = ToyTask(), CachedLM()
+    limit, backward = compat.dynamo_recompile_limit(), task.backward
+    dropped: list[str] = []
+    hooks = FitHooks.install(network, task, Precision(), dropped.append, pad_buckets=[8, 16])
+    hooks.raise_recompile_limit(regions=4, limit=8)
+    assert compat.dynamo_recompile_limit() == max(limit, 36)  # (8 + 1) recompiles for each of 4 regions
+    network.train()(torch.zeros(2, 5))
+    assert network.use_cache is False and hooks.shapes.calls == 1 and hooks.recorded is not None
+    hooks.set_plan_step(False)  # an eager reference step: the call as the user wrote it
+    network(torch.zeros(2, 5))
+    assert network.use_cache is None and hooks.buckets.sizes == [8, 16]
+    assert task.backward != backward  # the backward guard is on
+    hooks.stop_recording()
+    network(torch.zeros(2, 7))
+    assert hooks.shapes.calls == 2  # no longer recorded
+    hooks.remove()
+    network(torch.zeros(2, 5))
+    assert network.use_cache is None and task.backward == backward and "backward" not in vars(task)
+    assert compat.dynamo_recompile_limit() == limit and not dropped
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_recompile_limit_already_higher_is_kept():
+    before = compat.dynamo_recompile_limit()
+    compat.set_dynamo_recompile_limit(1000)
+    try:
+        hooks = FitHooks()
+        hooks.raise_recompile_limit(regions=1, limit=8)
+        assert compat.dynamo_recompile_limit() == 1000
+        hooks.remove()
+        assert compat.dynamo_recompile_limit() == 1000
+    finally:
+        compat.set_dynamo_recompile_limit(before)
