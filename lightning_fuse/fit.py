@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.meters import GpuMeters, cudagraph_trees
-from lightning_fuse.plan import Plan, Setting
+from lightning_fuse.plan import Plan, Setting, plan_graph
 from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims)
@@ -144,8 +144,9 @@ class FitState:
         self.step_compiles, self.step_recordings = self.tracker.total_compiles, self.tracker.recordings
         # the running guard times the plan's steps, eager's timed reference steps and the eager steps before the plan
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
-        if self.plan is not None and self.plan.graph is not None:
-            self.plan.graph.grads_zeroed_after_forward = zeroed_after_forward
+        graph = plan_graph(self.plan)
+        if graph is not None:
+            graph.grads_zeroed_after_forward = zeroed_after_forward
         for graph in filter(None, self.optimizer_graphs):
             graph.enabled = not eager  # an eager reference step's update is the optimizer's own
         if eager:
@@ -180,7 +181,7 @@ class FitState:
         """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled, captured a graph of
         ours or recorded one of torch's cudagraph trees is kept out), its contexts left; at the end of a running
         guard's window, that window's plan step times (recording steps left out, compiling ones in)."""
-        graph = self.plan.graph if self.plan is not None else None
+        graph = plan_graph(self.plan)
         compiled_now = self.tracker.total_compiles != self.step_compiles
         recorded_now = self.tracker.recordings != self.step_recordings
         captured_now = graph is not None and graph.captured_during_last_call
@@ -223,7 +224,7 @@ class FitState:
         parts = [self.plan.describe() if self.plan is not None else "eager (no plan was installed)"]
         if self.dropped:
             parts.append(f"plan dropped: {self.dropped}")
-        graph = self.plan.graph if self.plan is not None else None
+        graph = plan_graph(self.plan)
         if graph is not None:
             parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
                          else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip

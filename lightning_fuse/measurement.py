@@ -25,6 +25,7 @@ import torch
 from lightning_fuse.cache import cache_counters
 from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.metrics import epoch_metrics, measure_only_line, per_rank, scalars, summary_table, verdict_line
+from lightning_fuse.plan import plan_graph
 from lightning_fuse.timing import EAGER, EagerSchedule, StepTimer, summarize
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def epoch_extras(fit: FitState, device: torch.device,
         mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=device)
         extra.update(per_rank("gpu_util", gather(mine).flatten().tolist()))
     hits, misses = (now - start for now, start in zip(cache_counters(), fit.cache_at_start))
-    graph = fit.plan.graph if fit.plan is not None else None
+    graph = plan_graph(fit.plan)
     if fit.hooks.buckets is not None:
         extra["pad_waste"] = fit.hooks.buckets.waste
     trees = fit.trees_recorded()

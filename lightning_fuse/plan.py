@@ -335,6 +335,17 @@ class UserCompiled(Plan):
         return self._modules
 
 
+def plan_graph(plan: Plan | None) -> GraphedModule | None:
+    """``plan``'s CUDA graph over the network, if there is a plan and it has one.
+
+    Example::
+
+        >>> plan_graph(None), plan_graph(Plan())
+        (None, None)
+    """
+    return plan.graph if plan is not None else None
+
+
 def user_compiled(root: nn.Module) -> list[nn.Module]:
     """The submodules of ``root`` the user compiled before the fit (``Module.compile`` or ``torch.compile``)."""
     return [m for m in root.modules() if compat.compiled_call_impl(m) is not None or compat.is_compile_wrapper(m)]
