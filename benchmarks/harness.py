@@ -6,7 +6,7 @@ appends one JSON object a line to the results file, with ``device``, ``torch``, 
 In the child, :func:`serve` runs the script's ``measure(spec)``, which trains with :func:`fit`: a Lightning fit
 timed by :class:`StepClock`, whose exception becomes the record's ``error`` (a crash never stops the run).
 
-Render results as a Markdown table (the newest record of each key counts):
+Render results as a Markdown table (each key's newest run counts; the median of its repeats):
 
     python benchmarks/harness.py table benchmarks/results/zoo.jsonl > benchmarks/results/zoo.md
 """
@@ -284,18 +284,21 @@ def fit(task: pl.LightningModule, loader: Any, *, steps: int, warmup: int, callb
 
 
 def table(paths: Sequence[Path]) -> str:
-    """One Markdown table per file: the newest record of each key, then the machines and commands below it."""
+    """One Markdown table per file: each key's newest run (its repeats pooled), then the machines and commands."""
     parts = []
     for path in paths:
         records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
         keys = [key for key in KEYS if any(key in r for r in records)]
-        newest: dict[tuple, dict] = {}
-        for record in records:  # later lines of one run replace earlier ones too
-            key = tuple(record.get(k) for k in keys)
-            if key not in newest or record.get("run_started", "") >= newest[key].get("run_started", ""):
-                newest[key] = record
-        columns = [c for c in dict.fromkeys(c for r in records for c in r) if c not in ENV]
-        rows = sorted(newest.values(), key=lambda r: tuple(str(r.get(k)) for k in keys))
+        newest: dict[tuple, list[dict]] = {}
+        for record in records:
+            key, when = tuple(record.get(k) for k in keys), record.get("run_started", "")
+            kept = newest.setdefault(key, [record])
+            if when > kept[0].get("run_started", ""):
+                newest[key] = [record]
+            elif when == kept[0].get("run_started", "") and record is not kept[0]:
+                kept.append(record)
+        rows = sorted(map(pooled, newest.values()), key=lambda r: tuple(str(r.get(k)) for k in keys))
+        columns = [c for c in dict.fromkeys(c for r in [*records, *rows] for c in r) if c not in ENV]
         lines = [f"### {Path(path).name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
         runs = sorted({tuple(r.get(k) for k in ("run_started", "device", "torch", "commit", "command")) for r in rows},
@@ -304,6 +307,26 @@ def table(paths: Sequence[Path]) -> str:
                          for when, device, version, commit, command in runs]  # fmt: skip
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def pooled(run: Sequence[dict]) -> dict:
+    """One row for a key's records from one run (``--repeats``): the last one, with ``step_ms`` the median of the
+    repeats that measured one, ``step_ms_range`` their least and greatest and ``repeats`` how many (a single
+    fit's quartiles dropped). Records that failed or were skipped count only when no repeat measured.
+
+    Example::
+
+        >>> row = pooled([{"step_ms": 3.0}, {"step_ms": 1.0}, {"step_ms": 2.0}, {"error": "skipped"}])
+        >>> row["step_ms"], row["step_ms_range"], row["repeats"]
+        (2.0, '1.00-3.00', 3)
+    """
+    measured = [r for r in run if r.get("step_ms") is not None and not r.get("error")]
+    if len(measured) < 2:
+        return (measured or list(run))[-1]
+    times = [r["step_ms"] for r in measured]
+    one_fit = {k: None for k in ("step_ms_q1", "step_ms_q3") if k in measured[-1]}
+    return {**measured[-1], **one_fit, "step_ms": statistics.median(times),
+            "step_ms_range": f"{min(times):.2f}-{max(times):.2f}", "repeats": len(times)}  # fmt: skip
 
 
 def _cell(value: Any) -> str:
