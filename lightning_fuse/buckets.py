@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch.nn import functional
 
+from lightning_fuse.options import check_pad_buckets
+
 EXACT_PADDING = {"input_ids": 0, "attention_mask": 0, "token_type_ids": 0, "position_ids": 0, "labels": -100}
 """Padding values under which HF models give the same loss: masked tokens, ignored labels."""
 SUGGESTED_BUCKETS = 4
@@ -53,8 +55,7 @@ class PadToBuckets:
     """
 
     def __init__(self, sizes: Sequence[int], pad: Mapping[str, int | float] | None = None, dim: int = 1) -> None:
-        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
-            raise ValueError(f"`pad_buckets` must be a list of positive lengths, e.g. [128, 256, 512]; got {sizes!r}.")
+        check_pad_buckets(sizes)
         self.sizes = sorted(sizes)
         self.pad = dict(EXACT_PADDING if pad is None else pad)
         self.dim = dim

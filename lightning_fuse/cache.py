@@ -31,6 +31,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_fuse.compat import dynamo_counters
+from lightning_fuse.options import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -149,20 +150,6 @@ def cache_counters() -> tuple[int, int]:
     hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
     misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
     return hits, misses
-
-
-def check_writable(directory: Path, argument: str) -> None:
-    """Raise a ``ValueError`` naming ``argument`` unless ``directory`` is (or can become) a writable directory."""
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ValueError(f"`{argument}` must be a directory, but {existing} is a file. Pass another path or False.")
-    if not os.access(existing, os.W_OK):
-        raise ValueError(
-            f"`{argument}` directory {existing} is not writable. Pass a writable path, or `{argument}=False` to run "
-            "without a persistent compile cache."
-        )
 
 
 @contextmanager

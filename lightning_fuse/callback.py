@@ -29,15 +29,14 @@ from typing_extensions import override
 from lightning_fuse.choice import activate_plan, share_optimizer_verdict
 from lightning_fuse.fit import FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
-from lightning_fuse.options import AUTO, RECOMPILE_LIMIT, REFERENCE_BUDGET, FuseOptions
+from lightning_fuse.options import AUTO, RECOMPILE_LIMIT, REFERENCE_BUDGET, DimSpec, FuseOptions, Target
+from lightning_fuse.shapes import CompileTracker, DynamicDims
 from lightning_fuse.start import plan_line, start_cache, start_fit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_fuse.plan import Plan
-    from lightning_fuse.regions import Target
-    from lightning_fuse.shapes import CompileTracker, DimSpec
 
 SLOWER_THAN_EAGER = 0.9
 """With mode="auto", a plan whose epoch, or a running guard's window of steps, measures below this speedup is
@@ -139,6 +138,7 @@ class FuseCallback(Callback):
             warmup_steps=warmup_steps, eager_steps=eager_steps, reference_budget=reference_budget,
             gpu_sample_hz=gpu_sample_hz, profile_steps=profile_steps, length_fn=length_fn, pad_buckets=pad_buckets,
         )  # fmt: skip
+        self.dims = DynamicDims(self.options.dynamic_dims)
         self.history: list[dict[str, Any]] = []
         self.resumed_plan: str | None = None  # the plan of the checkpoint this fit resumed from, if any
         self.fit = FitState()
@@ -194,7 +194,7 @@ class FuseCallback(Callback):
         fit.timer.start()  # this step's start is the last step's end
         if fit.hooks.buckets is not None:
             fit.hooks.buckets(batch)  # in place: training_step receives this very batch
-        fit.mark_dynamic(self.options.dims, batch, "train", lambda: trainer.train_dataloader)
+        fit.mark_dynamic(self.dims, batch, "train", lambda: trainer.train_dataloader)
         if fit.steps == fit.activation_step:
             activate_plan(fit, trainer, pl_module)
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
@@ -221,12 +221,12 @@ class FuseCallback(Callback):
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
-        self.fit.mark_dynamic(self.options.dims, batch, "validate", lambda: trainer.val_dataloaders)
+        self.fit.mark_dynamic(self.dims, batch, "validate", lambda: trainer.val_dataloaders)
 
     @override
     def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,
                             dataloader_idx: int = 0) -> None:  # fmt: skip
-        self.fit.mark_dynamic(self.options.dims, batch, "test", lambda: trainer.test_dataloaders)
+        self.fit.mark_dynamic(self.dims, batch, "test", lambda: trainer.test_dataloaders)
 
     # ------------------------------------------------------------------ epoch end
     @override

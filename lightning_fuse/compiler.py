@@ -30,19 +30,14 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_fuse import compat
+from lightning_fuse.options import RECOMPILE_LIMIT
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
 
 PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device)
 """Values that carry no state: a call's leaves of these types (beside tensors) can be kept, compared and replayed."""
-MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-GRAPHING_MODES = ("reduce-overhead", "max-autotune")
-"""torch.compile modes that record torch's own CUDA graphs, one per input shape."""
 TREE_SIZES = 32
 """Input sizes torch's cudagraph trees may record graphs for in one fit (:class:`RepeatedSizes`)."""
-LIMIT_ACTIONS = ("eager", "dynamic")
-RECOMPILE_LIMIT = 8
-"""Compiles a region may make beyond its first before ``on_recompile_limit`` applies (the default)."""
 DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 """torch's dropout layers (their common base, ``_DropoutNd``, is private)."""
 
@@ -58,7 +53,7 @@ TOLERANCES = {
 class RepeatedSizes:
     """The input sizes torch's cudagraph trees may record CUDA graphs for: those met again, the first ``sizes`` such.
 
-    Under a :data:`GRAPHING_MODES` mode, inductor records one graph per input size of a dynamic shape (a size met
+    Under a :data:`~lightning_fuse.options.GRAPHING_MODES` mode, inductor records one graph per input size of a dynamic shape (a size met
     again replays its graph). A graph pays only for a size that comes again: where each batch has its own length,
     the trees' first run of every size (a warm-up run in their memory pool) costs more than compiled code alone, and
     its graph is never replayed. So a size's first call runs the compiled code without a graph, its second starts

@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning_fuse.gpu import mfu
+from lightning_fuse.options import REFERENCE_BUDGET
 from lightning_fuse.shapes import CompileTracker, RegionCompiles, explain_graph_break
-from lightning_fuse.timing import REFERENCE_BUDGET, THIN_REFERENCE, EpochTiming
+from lightning_fuse.timing import THIN_REFERENCE, EpochTiming
 
 PREFIX = "fuse/"
 PLAN_KEY = "plan"

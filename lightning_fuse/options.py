@@ -1,8 +1,9 @@
-"""FuseCallback's arguments, checked before anything runs.
+"""FuseCallback's arguments: their defaults and allowed values, defined once, and checked before anything runs.
 
 Every check names the argument, the value received and what to pass instead, so a mistake fails at
-construction, not deep inside torch during the first step. FuseCallback's signature takes its defaults from here
-(:data:`RECOMPILE_LIMIT`, :data:`REFERENCE_BUDGET` and :data:`AUTO`, each defined by the module that acts on it).
+construction, not deep inside torch during the first step. The modules that act on a setting import its values
+from here; this module imports none of them (only :mod:`~lightning_fuse.compat`, to ask torch which backends and
+inductor options exist).
 
 Example::
 
@@ -21,12 +22,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_origin
 
-from lightning_fuse.buckets import PadToBuckets
+from torch import nn
+
 from lightning_fuse.compat import backend_names, inductor_option_type, inductor_options, is_backend
-from lightning_fuse.compiler import LIMIT_ACTIONS, MODES, RECOMPILE_LIMIT
-from lightning_fuse.regions import AUTO, Target, normalize_targets
-from lightning_fuse.shapes import DimSpec, DynamicDims
-from lightning_fuse.timing import REFERENCE_BUDGET, check_reference_budget
+
+AUTO = "auto"
+"""The value of every setting FuseCallback decides itself (targets, mode, cuda_graph, dynamic_dims)."""
+FULL = "full"
+"""``targets="full"``: the whole network as one region."""
+Target = str | type
+"""A dotted-name glob (``"model.blocks.*"``), a class name (``"Block"``), a class, or ``"auto"``/``"full"``."""
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""torch.compile's modes, the values of ``mode`` beside ``"auto"``."""
+GRAPHING_MODES = ("reduce-overhead", "max-autotune")
+"""torch.compile modes that record torch's own CUDA graphs, one per input shape."""
+LIMIT_ACTIONS = ("eager", "dynamic")
+"""What ``on_recompile_limit`` may do with a region past its limit."""
+RECOMPILE_LIMIT = 8
+"""Compiles a region may make beyond its first before ``on_recompile_limit`` applies (the default)."""
+REFERENCE_BUDGET = 0.02
+"""Default share of the fit's training time that the eager reference (timed steps and lead-ins) may take."""
+DimSpec = Mapping[str | int, Sequence[int]]
+"""``dynamic_dims`` as a mapping: batch key (``str``) or index (``int``) -> the dims that vary."""
 
 
 @dataclass(kw_only=True)
@@ -94,7 +111,7 @@ class FuseOptions:
             )
         check_reference_budget(self.reference_budget)
         if self.pad_buckets is not None:
-            PadToBuckets(self.pad_buckets)  # raises here, at construction, for bad sizes
+            check_pad_buckets(self.pad_buckets)
         _int_at_least("profile_steps", self.profile_steps, 0)
         if self.warmup_steps is not None:
             _int_at_least("warmup_steps", self.warmup_steps, 0)
@@ -104,7 +121,7 @@ class FuseOptions:
             raise ValueError(f"`gpu_sample_hz` must be in [0, 1000] (0 disables sampling), got {self.gpu_sample_hz}.")
         if self.length_fn is not None and not callable(self.length_fn):
             raise TypeError("`length_fn` must be a callable batch -> number of items (e.g. tokens), or None.")
-        self.dims = DynamicDims(self.dynamic_dims)  # validates the spec's types
+        self.dynamic_dims = check_dim_spec(self.dynamic_dims)
         self._check_cache_dir()
         self._check_conflicts()
 
@@ -116,8 +133,6 @@ class FuseOptions:
             return
         if not isinstance(self.cache_dir, (str, os.PathLike)):
             raise TypeError(f"`cache_dir` must be a path, None (default location) or False, got {self.cache_dir!r}.")
-        from lightning_fuse.cache import check_writable
-
         check_writable(Path(self.cache_dir).expanduser(), "cache_dir")
 
     def _check_conflicts(self) -> None:
@@ -126,7 +141,7 @@ class FuseOptions:
                 f"`cuda_graph=True` and `mode={self.mode!r}` both capture CUDA graphs and cannot be combined. Use "
                 "cuda_graph=True with mode='default' (one graph over the whole step), or cuda_graph=False."
             )
-        if self.cuda_graph is True and isinstance(self.dims.spec, Mapping):
+        if self.cuda_graph is True and isinstance(self.dynamic_dims, Mapping):
             raise ValueError(
                 "`cuda_graph=True` needs static shapes but `dynamic_dims` declares varying dims. Use one: "
                 "cuda_graph=False to compile with dynamic dims, or dynamic_dims='auto' (batches whose shape differs "
@@ -185,3 +200,97 @@ def _int_at_least(name: str, value: Any, minimum: int) -> None:
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}: {value!r}.")
     if value < minimum:
         raise ValueError(f"`{name}` must be >= {minimum}, got {value}.")
+
+
+def normalize_targets(value: Target | Sequence[Target], argument: str) -> tuple[Target, ...]:
+    """Turn ``targets``/``exclude`` into a tuple, refusing anything that is not a string or a class.
+
+    Raises:
+        TypeError: If ``value`` or one of its items is neither a ``str`` nor a class.
+
+    Example::
+
+        >>> normalize_targets("model.blocks.*", "targets")
+        ('model.blocks.*',)
+    """
+    items = (value,) if isinstance(value, (str, type)) else value
+    if not isinstance(items, Sequence):
+        raise TypeError(
+            f"`{argument}` must be a string, a class, or a list of those, got {type(value).__name__}: {value!r}."
+        )
+    for item in items:
+        if not isinstance(item, (str, type)):
+            raise TypeError(
+                f"`{argument}` items must be dotted-name globs, class names or classes, got "
+                f"{type(item).__name__}: {item!r}. Example: targets=['model.blocks.*', MyAttention]."
+            )
+        if isinstance(item, type) and not issubclass(item, nn.Module):
+            raise TypeError(f"`{argument}` class {item.__name__} is not a torch.nn.Module subclass.")
+        if isinstance(item, str) and not item.strip():
+            raise ValueError(f"`{argument}` contains an empty pattern; remove it or name a module.")
+    return tuple(items)
+
+
+def check_dim_spec(spec: Any) -> str | DimSpec | None:
+    """``dynamic_dims`` checked: ``"auto"``, ``None`` (``False`` too) or a mapping of batch keys to lists of dims.
+
+    Example::
+
+        >>> check_dim_spec({"input_ids": 1})
+        {'input_ids': (1,)}
+    """
+    if spec is None or spec is False or spec == AUTO:
+        return None if spec is False else spec
+    if not isinstance(spec, Mapping):
+        raise TypeError(
+            f'`dynamic_dims` must be "auto", None or a mapping like {{"x": [0]}} or {{0: [0]}}, got '
+            f"{type(spec).__name__}: {spec!r}."
+        )
+    clean: dict[str | int, tuple[int, ...]] = {}
+    for key, dims in spec.items():
+        if not isinstance(key, (str, int)) or isinstance(key, bool):
+            raise TypeError(f"`dynamic_dims` keys must be str or int batch keys, got {key!r}.")
+        dims = [dims] if isinstance(dims, int) else dims
+        if not isinstance(dims, Sequence) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
+            raise TypeError(f"`dynamic_dims[{key!r}]` must be a list of ints (dims), got {dims!r}.")
+        clean[key] = tuple(dims)
+    return clean
+
+
+def check_pad_buckets(sizes: Any) -> None:
+    """Raise ``ValueError`` unless ``sizes`` is a non-empty list of positive lengths.
+
+    Example::
+
+        >>> check_pad_buckets([128, 256])
+    """
+    if not sizes or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in sizes):
+        raise ValueError(f"`pad_buckets` must be a list of positive lengths, e.g. [128, 256, 512]; got {sizes!r}.")
+
+
+def check_reference_budget(budget: float) -> None:
+    """Raise ``ValueError`` unless ``budget`` is a share of the training time in (0, 0.5].
+
+    Example::
+
+        >>> check_reference_budget(0.02)
+    """
+    if not 0 < budget <= 0.5:
+        raise ValueError(
+            f"`reference_budget` must be in (0, 0.5], e.g. 0.02 for 2% of the training time, got {budget}. Use "
+            "eager_steps=0 to turn the eager reference off."
+        )
+
+
+def check_writable(directory: Path, argument: str) -> None:
+    """Raise a ``ValueError`` naming ``argument`` unless ``directory`` is (or can become) a writable directory."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"`{argument}` must be a directory, but {existing} is a file. Pass another path or False.")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(
+            f"`{argument}` directory {existing} is not writable. Pass a writable path, or `{argument}=False` to run "
+            "without a persistent compile cache."
+        )

@@ -31,22 +31,20 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import (
-    GRAPHING_MODES,
     CompiledRegion,
     CompileOptions,
-    RepeatedSizes,
     RegionPolicy,
+    RepeatedSizes,
     plain_eager,
     uncompile_regions,
 )
 from lightning_fuse.graphs import GraphedModule, graph_target, syncs_between_regions, syncs_when_compiled
-from lightning_fuse.regions import AUTO, Region, resolve_regions
+from lightning_fuse.options import AUTO, GRAPHING_MODES, FuseOptions
+from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from lightning_fuse.options import FuseOptions
 
 
 @dataclass

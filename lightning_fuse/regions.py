@@ -23,14 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_fuse.compat import fsdp_wrapped_module
-
-AUTO = "auto"
-"""The value of every setting FuseCallback decides itself (targets, mode, cuda_graph, dynamic_dims): defined here,
-the lowest module that needs it, once."""
-FULL = "full"
-
-Target = str | type
-"""A dotted-name glob (``"model.blocks.*"``), a class name (``"Block"``), a class, or ``"auto"``/``"full"``."""
+from lightning_fuse.options import AUTO, FULL, Target, normalize_targets
 
 
 @dataclass(frozen=True)
@@ -54,30 +47,6 @@ class Region:
     @property
     def num_params(self) -> int:
         return sum(p.numel() for p in self.module.parameters())
-
-
-def normalize_targets(value: Target | Sequence[Target], argument: str) -> tuple[Target, ...]:
-    """Turn ``targets``/``exclude`` into a tuple, refusing anything that is not a string or a class.
-
-    Raises:
-        TypeError: If ``value`` or one of its items is neither a ``str`` nor a class.
-    """
-    items = (value,) if isinstance(value, (str, type)) else value
-    if not isinstance(items, Sequence):
-        raise TypeError(
-            f"`{argument}` must be a string, a class, or a list of those, got {type(value).__name__}: {value!r}."
-        )
-    for item in items:
-        if not isinstance(item, (str, type)):
-            raise TypeError(
-                f"`{argument}` items must be dotted-name globs, class names or classes, got "
-                f"{type(item).__name__}: {item!r}. Example: targets=['model.blocks.*', MyAttention]."
-            )
-        if isinstance(item, type) and not issubclass(item, nn.Module):
-            raise TypeError(f"`{argument}` class {item.__name__} is not a torch.nn.Module subclass.")
-        if isinstance(item, str) and not item.strip():
-            raise ValueError(f"`{argument}` contains an empty pattern; remove it or name a module.")
-    return tuple(items)
 
 
 def resolve_regions(

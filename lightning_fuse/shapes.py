@@ -33,9 +33,8 @@ from lightning_fuse.compat import (
     register_compile_callbacks,
     remove_compile_callbacks,
 )
-from lightning_fuse.regions import AUTO
+from lightning_fuse.options import AUTO, DimSpec, check_dim_spec
 
-DimSpec = Mapping[str | int, Sequence[int]]
 ModeKey = tuple[bool, bool, bool]
 """(module.training, grad enabled, inference mode): each combination legitimately has its own graph."""
 
@@ -61,7 +60,7 @@ class DynamicDims:
     """
 
     def __init__(self, spec: str | DimSpec | None = AUTO) -> None:
-        self.spec = _validate_spec(spec)
+        self.spec = check_dim_spec(spec)
 
     def apply(self, batch: Any, partial_possible: bool = True) -> set[tuple[int, int]]:
         """Mark the declared dims on ``batch`` and return the ``(dim, size)`` pairs marked.
@@ -160,25 +159,6 @@ def mark_region_inputs(args: Sequence[Any], sizes: set[tuple[int, int]]) -> None
             for dim, size in sizes:
                 if dim < arg.dim() and arg.shape[dim] == size:
                     maybe_mark_dynamic(arg, dim)
-
-
-def _validate_spec(spec: Any) -> str | DimSpec | None:
-    if spec is None or spec is False or spec == AUTO:
-        return None if spec is False else spec
-    if not isinstance(spec, Mapping):
-        raise TypeError(
-            f'`dynamic_dims` must be "auto", None or a mapping like {{"x": [0]}} or {{0: [0]}}, got '
-            f"{type(spec).__name__}: {spec!r}."
-        )
-    clean: dict[str | int, tuple[int, ...]] = {}
-    for key, dims in spec.items():
-        if not isinstance(key, (str, int)) or isinstance(key, bool):
-            raise TypeError(f"`dynamic_dims` keys must be str or int batch keys, got {key!r}.")
-        dims = [dims] if isinstance(dims, int) else dims
-        if not isinstance(dims, Sequence) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dims):
-            raise TypeError(f"`dynamic_dims[{key!r}]` must be a list of ints (dims), got {dims!r}.")
-        clean[key] = tuple(dims)
-    return clean
 
 
 def _mark(tensor: torch.Tensor, dim: int) -> tuple[int, int]:

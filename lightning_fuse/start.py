@@ -33,14 +33,14 @@ from lightning_fuse.cache import CompileCache, cache_key
 from lightning_fuse.fit import FitState
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.measurement import start_measuring
+from lightning_fuse.options import AUTO, FuseOptions
 from lightning_fuse.plan import Setting, UserCompiled, candidates, fit_setting, forced_plan, user_compiled
-from lightning_fuse.regions import AUTO, format_plan
+from lightning_fuse.regions import format_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins import Precision
 
-    from lightning_fuse.options import FuseOptions
 
 SHAPE_STEPS = 3
 """Eager steps, at least, before the plan search: their network inputs tell whether the shapes vary."""

@@ -32,6 +32,8 @@ import numpy as np
 import torch
 from scipy import stats
 
+from lightning_fuse.options import REFERENCE_BUDGET, check_reference_budget
+
 COMPILED = "compiled"
 EAGER = "eager"
 LEAD_IN = "lead_in"
@@ -141,26 +143,10 @@ after the plan search, the reference ran up to 37% slower than plain eager on GP
 256, BERT at 128, H100), while chunks taken later matched plain eager within 1-3%. The cause is not pinned down (the
 search leaves the GPU idle and inductor's workers busy, and the optimizer graph's trial starts then);
 ``benchmarks/RESULTS.md`` has the measurements."""
-REFERENCE_BUDGET = 0.02
-"""Default share of the fit's training time that the eager reference (timed steps and lead-ins) may take."""
 THIN_REFERENCE = 2 * CHUNK
 """A pooled reference of fewer timed eager steps than this is thin: the verdict says so. Two chunks are the least
 that sample two moments of the run; the steps of one chunk are not independent, so one chunk's interval understates
 the drift (a fit too short for its budget gets only the first chunk, :class:`EagerSchedule`)."""
-
-
-def check_reference_budget(budget: float) -> None:
-    """Raise ``ValueError`` unless ``budget`` is a share of the training time in (0, 0.5].
-
-    Example::
-
-        >>> check_reference_budget(0.02)
-    """
-    if not 0 < budget <= 0.5:
-        raise ValueError(
-            f"`reference_budget` must be in (0, 0.5], e.g. 0.02 for 2% of the training time, got {budget}. Use "
-            "eager_steps=0 to turn the eager reference off."
-        )
 
 
 def reference_step_cost(eager_ms: float, compiled_ms: float, budget: float) -> float:
