@@ -23,10 +23,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch import Callback
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_fuse.choice import activate_plan, share_optimizer_verdict
+from lightning_fuse.choice import Training, activate_plan, share_optimizer_verdict
 from lightning_fuse.fit import FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
 from lightning_fuse.options import AUTO, RECOMPILE_LIMIT, REFERENCE_BUDGET, DimSpec, FuseOptions, Target
@@ -196,7 +197,7 @@ class FuseCallback(Callback):
             fit.hooks.buckets(batch)  # in place: training_step receives this very batch
         fit.mark_dynamic(self.dims, batch, "train", lambda: trainer.train_dataloader)
         if fit.steps == fit.activation_step:
-            activate_plan(fit, trainer, pl_module)
+            activate_plan(fit, _training(trainer), pl_module)
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
             fit.timer.interrupt()  # the search is not training time: the reference's budget is a share of that
             fit.timer.start()
@@ -342,3 +343,13 @@ def _below(speedup: float) -> str:
         if round(speedup, digits) < SLOWER_THAN_EAGER:
             return f"{speedup:.{digits}f}"
     return f"{speedup:.6f}"
+
+
+def _training(trainer: pl.Trainer) -> Training:
+    """What the plan's choice needs from ``trainer``."""
+    strategy = trainer.strategy
+    return Training(accumulate_grad_batches=trainer.accumulate_grad_batches, is_global_zero=trainer.is_global_zero,
+                    loggers=trainer.loggers, optimizers=trainer.optimizers, precision=trainer.precision_plugin,
+                    reduce_all=lambda ok: bool(strategy.reduce_boolean_decision(ok, all=True)),
+                    broadcast=strategy.broadcast,
+                    fsdp_root=strategy.model if isinstance(strategy, FSDPStrategy) else None)  # fmt: skip

@@ -15,12 +15,13 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import changes_in_training
@@ -36,13 +37,39 @@ if TYPE_CHECKING:
     from lightning_fuse.fit import FitState
 
 
-def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+@dataclass(frozen=True)
+class Training:
+    """What choosing and installing the plan reads from Lightning's Trainer, gathered by FuseCallback (every
+    ``trainer.`` access stays in the callback).
+
+    Example::
+
+        >>> training = Training(accumulate_grad_batches=1, is_global_zero=True, loggers=[], optimizers=[],
+        ...                     precision=None, reduce_all=bool, broadcast=lambda obj: obj)
+        >>> training.fsdp_root is None
+        True
+    """
+
+    accumulate_grad_batches: int
+    is_global_zero: bool
+    loggers: Sequence[Any]
+    optimizers: Sequence[torch.optim.Optimizer]
+    precision: Any
+    """Lightning's precision plugin: its ``forward_context`` for the trials, its ``scaler`` (fp16) if any."""
+    reduce_all: Callable[[bool], bool]
+    """``True`` on every process when it is ``True`` on all (the strategy's ``reduce_boolean_decision``)."""
+    broadcast: Callable[[Any], Any]
+    fsdp_root: nn.Module | None = None
+    """Under Lightning's ``FSDPStrategy``, its root unit, which wraps the LightningModule."""
+
+
+def activate_plan(fit: FitState, training: Training, pl_module: pl.LightningModule) -> None:
     """Choose the plan (by measurement on the recorded inputs, from the cache, or forced) and install it, with
     the optimizers' captured updates where the plan runs compiled."""
     fit.hooks.stop_recording()
     _hold_over_varying_shapes(fit)
     fit.hooks.set_plan_step(True)  # the candidates, eager's trial too, run as the plan will
-    if pl_module.automatic_optimization and trainer.accumulate_grad_batches == 1:
+    if pl_module.automatic_optimization and training.accumulate_grad_batches == 1:
         # Dynamo traces each parameter with its .grad: FSDP's bf16 grads left by the eager steps made every region
         # fall back ("grad_dtype 'BFloat16'"). Lightning would set them to None after this step's forward anyway.
         pl_module.zero_grad(set_to_none=True)
@@ -54,11 +81,11 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
     else:
         fit.decision_file = _decision_file(fit)
         cached = fit.decision_file.load([p.name for p in fit.candidates]) if fit.decision_file else None
-        fit.decision = cached or _search(fit, trainer, pl_module)
+        fit.decision = cached or _search(fit, training, pl_module)
         plan = next(p for p in fit.candidates if p.name == fit.decision.winner)
         plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
-        announce(fit.decision, trainer.loggers if trainer.is_global_zero else [])
-        if fit.decision_file is not None and trainer.is_global_zero:
+        announce(fit.decision, training.loggers if training.is_global_zero else [])
+        if fit.decision_file is not None and training.is_global_zero:
             fit.decision_file.store(fit.decision)
     fit.hooks.recorded = None
     for loser in fit.candidates:
@@ -67,18 +94,18 @@ def activate_plan(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningMod
     plan.install()
     fit.plan = plan
     if fit.optimizer_graph and fit.runs_compiled():
-        _install_optimizer_graphs(fit, trainer)
+        _install_optimizer_graphs(fit, training)
     if plan.name == "eager" and fit.decision is not None:
         fit.schedule.eager_steps = 0  # nothing runs but eager: an eager reference would measure eager against itself
         fit.schedule.plan_epoch(fit.steps, 1, 0)  # and the chunks already placed in this epoch go
 
 
-def _install_optimizer_graphs(fit: FitState, trainer: pl.Trainer) -> None:
-    scaler = getattr(trainer.precision_plugin, "scaler", None)  # MixedPrecision's GradScaler (fp16)
+def _install_optimizer_graphs(fit: FitState, training: Training) -> None:
+    scaler = getattr(training.precision, "scaler", None)  # MixedPrecision's GradScaler (fp16)
     alone = fit.setting.world_size == 1
-    fit.optimizer_graphs = install_optimizer_graphs(trainer.optimizers, scaler, fit.setting.device,
+    fit.optimizer_graphs = install_optimizer_graphs(training.optimizers, scaler, fit.setting.device,
                                                     fit.capture_optimizer, decides_alone=alone,
-                                                    precision=trainer.precision_plugin)  # fmt: skip
+                                                    precision=training.precision)  # fmt: skip
     fit.optimizer_verdict_pending = not alone and any(graph is not None for graph in fit.optimizer_graphs)
 
 
@@ -98,23 +125,22 @@ def _decision_file(fit: FitState) -> DecisionFile | None:
     return DecisionFile(cache.directory, decision_key(fit.hooks.recorded, fit.varying_dims, fit.setting.world_size))
 
 
-def _search(fit: FitState, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Decision:
+def _search(fit: FitState, training: Training, pl_module: pl.LightningModule) -> Decision:
     module = fit.setting.target[1]
     args, kwargs = fit.hooks.recorded
     cuda = fit.setting.device.type == "cuda"
     # FSDP (Lightning's FSDPStrategy) shards the parameters outside its units, and its root unit, which wraps the
     # LightningModule, gathers them only in its own forward: the trials run there, as training steps do. DDP's
     # wrapper stays out: its all-reduce would need every parameter in each trial's loss
-    within = through_wrapper(trainer.strategy.model, pl_module) if isinstance(trainer.strategy, FSDPStrategy) else None
-    call = TrialCall(module, args, kwargs, context=trainer.precision_plugin.forward_context,
+    within = through_wrapper(training.fsdp_root, pl_module) if training.fsdp_root is not None else None
+    call = TrialCall(module, args, kwargs, context=training.precision.forward_context,
                      synchronize=torch.cuda.synchronize if cuda else lambda: None, within=within)  # fmt: skip
     # the trial's inputs are detached copies: give them the batch's dynamic dims, or the candidates compile for
     # other shapes than training then calls them with (one recompile of every candidate, at its first step)
     mark_region_inputs(compat.tree_leaves((call.args, call.kwargs)), fit.setting.policy.dynamic_sizes)
     # compiled candidates compile the varying dims as dynamic from their first call: no recompile per length
     fit.setting.policy.dynamic_sizes |= mark_dims((call.args, call.kwargs), fit.varying_dims)
-    consensus = Consensus(lambda ok: bool(trainer.strategy.reduce_boolean_decision(ok, all=True)),
-                          trainer.strategy.broadcast)  # fmt: skip
+    consensus = Consensus(training.reduce_all, training.broadcast)
     deterministic = not changes_in_training(module)
     search = PlanSearch(fit.candidates, consensus, reference=call.last if deterministic else None)
     with sandbox(module):
