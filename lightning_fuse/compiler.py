@@ -54,12 +54,12 @@ class RepeatedSizes:
     """The input sizes torch's cudagraph trees may record CUDA graphs for: those met again, the first ``sizes`` such.
 
     Under a mode of :data:`~lightning_fuse.options.GRAPHING_MODES`, inductor records one graph per input size of a
-    dynamic shape (a size met again replays its graph). A graph pays only for a size that comes again: where each
-    batch has its own length, the trees' first run of every size (a warm-up run in their memory pool) costs more
-    than compiled code alone, and its graph is never replayed. So a size's first call runs the compiled code without a graph, its second starts
-    the trees' recording, and past the first ``sizes`` sizes met again (memory for every graph) none records. Inductor
-    asks ``key in sizes`` at each call, the key being a compiled graph's integer inputs (``None``: it has none, one
-    graph), so each size counts once for the forward and once for the backward. Installed by
+    dynamic shape (a size met again replays its graph). A graph pays only for a size that comes again: where each batch
+    has its own length, the trees' first run of every size (a warm-up run in their memory pool) costs more than compiled
+    code alone, and its graph is never replayed. So a size's first call runs the compiled code without a graph, its
+    second starts the trees' recording, and past the first ``sizes`` sizes met again (memory for every graph) none
+    records. Inductor asks ``key in sizes`` at each call, the key being a compiled graph's integer inputs (``None``: it
+    has none, one graph), so each size counts once for the forward and once for the backward. Installed by
     :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
 
     Example::

@@ -1,11 +1,12 @@
 """The state of one fit, made new at every fit start, and the bookkeeping of its epochs and steps.
 
-:class:`FitState` holds what a fit learns as it goes (the plan in force, the timer, the reference schedule, the
-search's decision) and what it put on the model and torch (:mod:`~lightning_fuse.hooks`: the recorded inputs, the
-compile cache among them), so that a callback reused for a second ``fit`` starts from nothing. Each training step is opened by :meth:`FitState.begin_step` (what the step is, the contexts it runs
-in) and closed by :meth:`FitState.end_step` (its time recorded, its contexts left); :meth:`FitState.close` undoes
-everything the fit changed. The fit is set up by :mod:`~lightning_fuse.start`, its plan chosen by
-:mod:`~lightning_fuse.choice`, and what it measured summed up by :mod:`~lightning_fuse.measurement`.
+:class:`FitState` holds what a fit learns as it goes (the plan in force, the timer, the reference schedule, the search's
+decision) and what it put on the model and torch (:mod:`~lightning_fuse.hooks`: the recorded inputs, the compile cache
+among them), so that a callback reused for a second ``fit`` starts from nothing. Each training step is opened by
+:meth:`FitState.begin_step` (what the step is, the contexts it runs in) and closed by :meth:`FitState.end_step` (its
+time recorded, its contexts left); :meth:`FitState.close` undoes everything the fit changed. The fit is set up by
+:mod:`~lightning_fuse.start`, its plan chosen by :mod:`~lightning_fuse.choice`, and what it measured summed up by
+:mod:`~lightning_fuse.measurement`.
 
 Example::
 
@@ -91,7 +92,8 @@ class FitState:
     cache_at_start: tuple[int, int] = (0, 0)
     trees_at_start: tuple[int, int] = (0, 0)
     """torch's cudagraph trees at fit start: the graphs they held and inductor's cudagraph skips, on the fit's device
-    (:func:`~lightning_fuse.meters.cudagraph_trees`); both are process-wide, so the fit's own are what was added since."""
+    (:func:`~lightning_fuse.meters.cudagraph_trees`); both are process-wide, so the fit's own are what was added
+    since."""
     fallbacks: dict[str, str] = field(default_factory=dict)
     decision_file: DecisionFile | None = None
     """Where the plan search's decision is cached (``None``: no cache, or no search)."""

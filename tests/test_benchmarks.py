@@ -270,8 +270,8 @@ def test_table_pools_the_repeats_of_the_newest_run(tmp_path: Path) -> None:
     env = {"device": "cpu", "torch": "2", "command": "python x --repeats 3"}
     runs = [(9.0, None, "2026-01-01"), (3.0, None, "2026-01-02"), (1.0, None, "2026-01-02"),
             (None, "skipped: 5 s of the budget left", "2026-01-02"), (2.0, None, "2026-01-02")]  # fmt: skip
-    lines = [{"model": "m", "variant": "fuse", "step_ms": ms, "step_ms_q1": ms, "error": error, **env, "run_started": when}
-             for ms, error, when in runs]  # fmt: skip
+    lines = [{"model": "m", "variant": "fuse", "step_ms": ms, "step_ms_q1": ms, "error": error, **env,
+              "run_started": when} for ms, error, when in runs]  # fmt: skip
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     text = harness.table([path])
     header = next(line for line in text.splitlines() if line.startswith("| model"))
