@@ -41,6 +41,13 @@ def fit(task, callbacks, **kwargs):
     return t
 
 
+def assert_failed_before_any_step(task, excinfo) -> None:
+    """The error is ours, no training step ran, and the model is left uncompiled."""
+    assert raised_by_lightning_fuse(excinfo)
+    assert task.losses == []
+    assert all(m._compiled_call_impl is None for m in task.modules())
+
+
 def seeded_task(cls: type[RecordingTask] = RecordingTask, seed: int = 0, **kwargs) -> RecordingTask:
     torch.manual_seed(seed)  # the same initial weights for the runs a test compares
     return cls(**kwargs)
@@ -158,9 +165,7 @@ def test_a_pattern_matching_nothing_fails_at_fit_start_before_any_step(kwargs, m
     task = RecordingTask()
     with pytest.raises(ValueError, match=match) as excinfo:
         fit(task, [FuseCallback(backend="aot_eager", mode="default", cache_dir=False, **kwargs)])
-    assert raised_by_lightning_fuse(excinfo)
-    assert task.losses == []  # no training step ran (and no sanity-check validation either: it comes later)
-    assert all(m._compiled_call_impl is None for m in task.modules())
+    assert_failed_before_any_step(task, excinfo)  # at fit start, before the sanity-check validation too
 
 
 @pytest.mark.parametrize(
@@ -177,9 +182,7 @@ def test_dynamic_dims_that_do_not_fit_the_batch_fail_at_the_first_batch(dims, ma
     task = RecordingTask()
     with pytest.raises(ValueError, match=match) as excinfo:
         fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, dynamic_dims=dims)], num_sanity_val_steps=0)
-    assert raised_by_lightning_fuse(excinfo)
-    assert task.losses == []
-    assert all(m._compiled_call_impl is None for m in task.modules())
+    assert_failed_before_any_step(task, excinfo)
 
 
 @pytest.mark.parametrize(
@@ -195,9 +198,7 @@ def test_a_length_fn_that_returns_no_number_fails_at_the_first_batch(length_fn, 
     task = RecordingTask()
     with pytest.raises(TypeError, match=match) as excinfo:
         fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, length_fn=length_fn)], num_sanity_val_steps=0)
-    assert raised_by_lightning_fuse(excinfo)
-    assert task.losses == []
-    assert all(m._compiled_call_impl is None for m in task.modules())
+    assert_failed_before_any_step(task, excinfo)
 
 
 # ---------------------------------------------------------------------------------------------- faults
