@@ -9,7 +9,6 @@ network as ``self.model``, AdamW, fused on CUDA) with random batches that move t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_fuse import FuseCallback
 from recipes.models import GPT, resnet18_cifar
+from recipes.tasks import warmup_cosine
 
 VARIANTS = ("eager", "compile", "reduce_overhead", "regional", "fuse")
 DISTINCT_BATCHES = 4
@@ -79,15 +79,9 @@ class Task(pl.LightningModule):
         if not self.scheduler:
             return optimizer
         total = max(self.trainer.max_steps, 1)
-        factor = partial(_warmup_cosine, warmup=min(20, total // 10 + 1), total=total)
+        factor = partial(warmup_cosine, warmup_steps=min(20, total // 10 + 1), total_steps=total)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
-
-
-def _warmup_cosine(step: int, warmup: int, total: int) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
 def hf_loss(model: nn.Module, batch: dict[str, Tensor]) -> Tensor:

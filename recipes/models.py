@@ -102,16 +102,8 @@ class GPT(nn.Module):
         torch.Size([3, 16, 256])
     """
 
-    def __init__(
-        self,
-        vocab_size: int = 8192,
-        max_seq_len: int = 256,
-        n_layer: int = 8,
-        d_model: int = 512,
-        n_head: int = 8,
-        mlp_ratio: int = 4,
-        dropout: float = 0.0,
-    ) -> None:
+    def __init__(self, vocab_size: int = 8192, max_seq_len: int = 256, n_layer: int = 8, d_model: int = 512,
+                 n_head: int = 8, mlp_ratio: int = 4, dropout: float = 0.0) -> None:  # fmt: skip
         super().__init__()
         self.vocab_size = vocab_size
         self.max_seq_len = max_seq_len

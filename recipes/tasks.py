@@ -8,6 +8,7 @@ Neither sets ``flops_per_batch`` or ``example_input_array``: the callback counts
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -20,7 +21,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 
-def _warmup_cosine(step: int, warmup_steps: int, total_steps: int, cosine: bool) -> float:
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, cosine: bool = True) -> float:
     """Learning-rate factor: linear warmup over ``warmup_steps``, then cosine decay to 10% (or constant)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
@@ -30,35 +31,73 @@ def _warmup_cosine(step: int, warmup_steps: int, total_steps: int, cosine: bool)
     return 0.1 + 0.45 * (1.0 + math.cos(math.pi * progress))
 
 
-class _Task(L.LightningModule):
-    """Holds ``self.model`` and builds AdamW (fused on CUDA) with an optional warmup + cosine schedule."""
+@dataclass
+class AdamWSchedule:
+    """AdamW (fused on CUDA) whose learning rate warms up linearly, then decays along a cosine to 10% of ``lr``.
 
-    def __init__(self, net: nn.Module, lr: float, weight_decay: float, warmup_steps: int, cosine: bool) -> None:
+    Args:
+        lr: peak learning rate.
+        weight_decay: weight decay of matrices and embeddings (biases and norms get none).
+        warmup_steps: steps of linear warmup.
+        cosine: decay to 10% over the run after warmup; False keeps the rate at ``lr``.
+
+    Raises:
+        ValueError: If ``lr`` is not positive, or ``weight_decay`` or ``warmup_steps`` is negative.
+
+    Example::
+
+        >>> schedule = AdamWSchedule(lr=1e-3, weight_decay=0.1, warmup_steps=10)
+        >>> [round(warmup_cosine(s, schedule.warmup_steps, total_steps=100), 2) for s in (0, 9, 99)]
+        [0.1, 1.0, 0.1]
+    """
+
+    lr: float
+    weight_decay: float
+    warmup_steps: int = 0
+    cosine: bool = True
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError(
+                f"AdamWSchedule needs lr > 0, weight_decay >= 0 and warmup_steps >= 0; got lr={self.lr}, "
+                f"weight_decay={self.weight_decay}, warmup_steps={self.warmup_steps}. Fix model.optim.*."
+            )
+
+    def configure(self, net: nn.Module, total_steps: float, fused: bool) -> dict[str, Any]:
+        """What ``configure_optimizers`` returns for ``net``'s trainable parameters over a run of ``total_steps``."""
+        if self.cosine and math.isinf(total_steps):
+            raise ValueError(
+                "The cosine schedule needs a run of known length: set trainer.max_steps or trainer.max_epochs, "
+                "or model.optim.cosine=false."
+            )
+        params = [p for p in net.parameters() if p.requires_grad]
+        groups = [  # no weight decay on biases and norm weights
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, fused=fused)
+        total = int(total_steps) if self.cosine else 0
+        schedule = partial(warmup_cosine, warmup_steps=self.warmup_steps, total_steps=total, cosine=self.cosine)
+        scheduler = LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+IMAGE_SCHEDULE = AdamWSchedule(lr=2e-3, weight_decay=0.05)
+TEXT_SCHEDULE = AdamWSchedule(lr=6e-4, weight_decay=0.1, warmup_steps=50)
+
+
+class _Task(L.LightningModule):
+    """Holds ``self.model`` and trains it with ``self.optim``, an :class:`AdamWSchedule`."""
+
+    def __init__(self, net: nn.Module, optim: AdamWSchedule) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["net"])
         self.model = net
+        self.optim = replace(optim)  # its own copy: the defaults are shared module constants
 
     def configure_optimizers(self) -> dict[str, Any]:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        groups = [  # no weight decay on biases and norm weights
-            {"params": [p for p in params if p.ndim >= 2], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, fused=self.device.type == "cuda")
-        total_steps = self.trainer.estimated_stepping_batches
-        if self.hparams.cosine and math.isinf(total_steps):
-            raise ValueError(
-                "The cosine schedule needs a run of known length: set trainer.max_steps or trainer.max_epochs, "
-                "or model.cosine=false."
-            )
-        schedule = partial(
-            _warmup_cosine,
-            warmup_steps=self.hparams.warmup_steps,
-            total_steps=int(total_steps) if self.hparams.cosine else 0,
-            cosine=self.hparams.cosine,
-        )
-        scheduler = LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        fused = self.device.type == "cuda"
+        return self.optim.configure(self.model, self.trainer.estimated_stepping_batches, fused=fused)
 
 
 class ImageClassifier(_Task):
@@ -69,10 +108,7 @@ class ImageClassifier(_Task):
     Args:
         net: a network mapping images ``(B, C, H, W)`` to logits ``(B, num_classes)``; stored as ``self.model``.
         num_classes: number of classes.
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay of matrices and kernels (biases and norms get none).
-        warmup_steps: steps of linear learning-rate warmup.
-        cosine: decay the learning rate to 10% along a cosine after warmup; False keeps it constant.
+        optim: the optimizer and its learning-rate schedule.
 
     Example::
 
@@ -82,16 +118,8 @@ class ImageClassifier(_Task):
         'ResNet'
     """
 
-    def __init__(
-        self,
-        net: nn.Module,
-        num_classes: int = 10,
-        lr: float = 2e-3,
-        weight_decay: float = 0.05,
-        warmup_steps: int = 0,
-        cosine: bool = True,
-    ) -> None:
-        super().__init__(net, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, cosine=cosine)
+    def __init__(self, net: nn.Module, num_classes: int = 10, optim: AdamWSchedule = IMAGE_SCHEDULE) -> None:
+        super().__init__(net, optim)
         self.val_acc = MulticlassAccuracy(num_classes)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -118,10 +146,7 @@ class LanguageModel(_Task):
 
     Args:
         net: a network mapping token ids ``(B, T)`` to logits ``(B, T, V)``; stored as ``self.model``.
-        lr: peak AdamW learning rate.
-        weight_decay: AdamW weight decay of matrices and embeddings (biases and norms get none).
-        warmup_steps: steps of linear learning-rate warmup.
-        cosine: decay the learning rate to 10% along a cosine after warmup; False keeps it constant.
+        optim: the optimizer and its learning-rate schedule.
 
     Raises:
         ValueError: In ``setup``, if the data module's ``vocab_size`` exceeds the network's.
@@ -134,15 +159,8 @@ class LanguageModel(_Task):
         2
     """
 
-    def __init__(
-        self,
-        net: nn.Module,
-        lr: float = 6e-4,
-        weight_decay: float = 0.1,
-        warmup_steps: int = 50,
-        cosine: bool = True,
-    ) -> None:
-        super().__init__(net, lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, cosine=cosine)
+    def __init__(self, net: nn.Module, optim: AdamWSchedule = TEXT_SCHEDULE) -> None:
+        super().__init__(net, optim)
         self.val_ppl = Perplexity()
 
     def setup(self, stage: str) -> None:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_fuse import FuseCallback
 from recipes.data import ByteWindows, CIFAR10DataModule, StandinImages, TextDataModule, read_corpus
+from recipes.tasks import AdamWSchedule, warmup_cosine
 from recipes.train import auto_precision, instantiate_callbacks, instantiate_logger, register_resolvers, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,6 +129,24 @@ def test_training_is_deterministic(tmp_path: Path) -> None:
 def test_language_model_too_small_a_vocabulary_says_what_to_do(tmp_path: Path) -> None:
     cfg = compose_train(tmp_path, "fuse=off", "logger=none", "model.net.vocab_size=128", *TINY["gpt_mini"], *SHORT_RUN)
     with pytest.raises(ValueError, match="set model.net.vocab_size>=256"):
+        train(cfg)
+
+
+def test_the_optimizer_and_its_schedule_follow_model_optim(tmp_path: Path) -> None:
+    overrides = ["fuse=off", "logger=none", *TINY["gpt_mini"], *SHORT_RUN, "trainer.max_steps=4"]
+    trainer = train(compose_train(tmp_path, *overrides, "model.optim.lr=0.01", "model.optim.warmup_steps=2"))
+    optimizer = trainer.optimizers[0]
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.1, 0.0]  # none on biases and norms
+    assert optimizer.param_groups[0]["initial_lr"] == 0.01
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01 * warmup_cosine(4, 2, total_steps=4))
+
+
+def test_a_schedule_that_cannot_run_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"AdamWSchedule needs lr > 0.*got lr=0, .*Fix model.optim"):
+        AdamWSchedule(lr=0, weight_decay=0.1)
+    endless = ["trainer.max_steps=-1", "trainer.max_epochs=-1"]
+    cfg = compose_train(tmp_path, "fuse=off", "logger=none", *TINY["gpt_mini"], *SHORT_RUN, *endless)
+    with pytest.raises(ValueError, match=r"cosine schedule needs a run of known length.*model.optim.cosine=false"):
         train(cfg)
 
 
