@@ -22,7 +22,8 @@ from torchmetrics.text import Perplexity
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, cosine: bool = True) -> float:
-    """Learning-rate factor: linear warmup over ``warmup_steps``, then cosine decay to 10% (or constant)."""
+    """Learning-rate factor at ``step``: linear warmup over ``warmup_steps``, then cosine decay to 10% at
+    ``total_steps`` (or constant)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if not cosine:
@@ -33,7 +34,7 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, cosine: bool =
 
 @dataclass
 class AdamWSchedule:
-    """AdamW (fused on CUDA) whose learning rate warms up linearly, then decays along a cosine to 10% of ``lr``.
+    """AdamW whose learning rate warms up linearly, then decays along a cosine to 10% of ``lr`` (or stays at ``lr``).
 
     Args:
         lr: peak learning rate.
@@ -47,8 +48,9 @@ class AdamWSchedule:
     Example::
 
         >>> schedule = AdamWSchedule(lr=1e-3, weight_decay=0.1, warmup_steps=10)
-        >>> [round(warmup_cosine(s, schedule.warmup_steps, total_steps=100), 2) for s in (0, 9, 99)]
-        [0.1, 1.0, 0.1]
+        >>> configured = schedule.configure(nn.Linear(4, 2), total_steps=100, fused=False)
+        >>> [group["weight_decay"] for group in configured["optimizer"].param_groups]  # the bias gets none
+        [0.1, 0.0]
     """
 
     lr: float
