@@ -278,14 +278,17 @@ class FitState:
 
     # ------------------------------------------------------------------ dropping the plan, undoing the fit
     def drop_plan(self, reason: str, epoch: int | None = None) -> None:
-        """Take the plan off: the rest of the fit trains eagerly, with one warning (on a line of its own) saying why;
-        ``epoch``: the (Lightning) epoch it was dropped in, for the verdict."""
+        """Take the plan off: the rest of the fit trains eagerly (or as the user compiled it, where they did), with
+        one warning (on a line of its own) saying why; ``epoch``: the (Lightning) epoch it was dropped in, for the
+        verdict."""
+        rest = next((plan for plan in self.candidates if not plan.owned), Plan())  # the user's compile, if any
         _new_line()  # the warning on a line of its own, not in the middle of the progress bar's
         rank_zero_warn(
-            f"FuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit trains eagerly: {reason}."
+            f"FuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit "
+            f"{'trains eagerly' if rest.owned else 'runs the model as the user compiled it'}: {reason}."
         )
         self.uninstall_plan()
-        self.plan, self.dropped, self.dropped_in_epoch = Plan(), f"{reason} (step {self.steps})", epoch
+        self.plan, self.dropped, self.dropped_in_epoch = rest, f"{reason} (step {self.steps})", epoch
         if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
             self.decision_file.forget()
 

@@ -196,11 +196,13 @@ def _seconds(seconds: float) -> str:
 def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: str, cost: str,
                   epoch: int | None) -> str:  # fmt: skip
     """The verdict when a plan was dropped (measured slower than eager, or failed) in ``epoch`` (``None``: at the
-    end of its last epoch in ``history``): its epochs are another plan's."""
+    end of its last epoch in ``history``): its epochs are another plan's. ``plan`` is what ran after it (``eager``,
+    or ``user-compiled``: the user's own compile)."""
     gone = [(index, row) for index, row in enumerate(history) if row.get(PLAN_KEY, plan) != plan]
     label = str(gone[-1][1][PLAN_KEY]) if gone else "the plan"
+    rest = "the rest trained eagerly" if plan == "eager" else f"the rest ran {plan}"
     if "raised" in reason or not gone:  # failed mid-fit (the step was redone eagerly), or dropped before an epoch end
-        return f"FuseCallback: {label} was dropped, {reason}; the rest trained eagerly, no step lost; {cost}"
+        return f"FuseCallback: {label} was dropped, {reason}; {rest}, no step lost; {cost}"
     rows = [row for _, row in gone if row.get(PLAN_KEY) == label]
     point, low, high = pooled_speedup(rows)
     text, low_text, high_text = _numbers(point, low, high) if point is not None else ("?", None, None)
@@ -209,8 +211,7 @@ def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: s
         index, last = gone[-1]
         epoch = int(last.get("epoch", index))
     device = _DEVICE_WORDS.get(device_type, device_type)
-    return f"FuseCallback: no gain on this {device} ({figure}) with {label}; dropped in epoch {epoch}, " \
-           f"the rest trained eagerly; {cost}"  # fmt: skip
+    return f"FuseCallback: no gain on this {device} ({figure}) with {label}; dropped in epoch {epoch}, {rest}; {cost}"
 
 
 def verdict_line(

@@ -7,7 +7,9 @@ with torch's CUDA graphs each) and ``compile+graph`` (one graph over the whole n
 the graph over the regions failed; ``compile`` (the whole network compiled, no graph). :func:`candidates` lists,
 most promising first, those that make sense for the device and the number of processes; :func:`forced_plan` builds
 the one an explicit ``mode``/``cuda_graph``/``targets`` asks for; :func:`fit_setting` is what they are all built from.
-Which candidate runs is measured (:mod:`lightning_fuse.search`).
+A network the user compiled before the fit has its own two (:func:`user_compiled_candidates`): ``user-compiled``
+(their compile as it is) and ``user-compiled+graph`` (one CUDA graph over it). Which candidate runs is measured
+(:mod:`lightning_fuse.search`).
 
 Example::
 
@@ -312,7 +314,8 @@ class RegionTrees(Regions):
 
 class UserCompiled(Plan):
     """The user compiled the network before the fit (``model.compile()``): nothing is compiled twice; the eager
-    reference steps bypass the user's compiled code, so ``fuse/speedup`` measures the user's compile.
+    reference steps bypass the user's compiled code, so ``fuse/speedup`` measures the user's compile. The baseline
+    of :func:`user_compiled_candidates`.
 
     Example::
 
@@ -331,6 +334,53 @@ class UserCompiled(Plan):
 
     def modules(self) -> list[nn.Module]:
         return self._modules
+
+
+class UserCompiledGraph(Graph):
+    """One CUDA graph over the network the user compiled (``model.compile()``): their compiled code runs in the
+    capture and is compiled no second time. It competes with their compile alone, the baseline it must beat; the
+    eager reference steps bypass both. Dropped, it leaves their compile as they made it.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> net.compile(backend="eager")
+        >>> setting = Setting([], ("net", net), CompileOptions(), torch.device("cuda"))
+        >>> plan = UserCompiledGraph(setting, UserCompiled(user_compiled(net)))
+        >>> plan.name, plan.modules() == [net]
+        ('user-compiled+graph', True)
+    """
+
+    def __init__(self, setting: Setting, user: UserCompiled) -> None:
+        super().__init__(setting)
+        self.name = "user-compiled+graph"
+        self.dominated_by = ()
+        self._user = user
+
+    def modules(self) -> list[nn.Module]:
+        return list(dict.fromkeys([*self._user.modules(), *super().modules()]))
+
+
+def user_compiled_candidates(setting: Setting, modules: list[nn.Module]) -> list[Plan]:
+    """The plans for a network the user compiled before the fit: their compile as it is, then, on one CUDA device,
+    one CUDA graph over it, where every module they compiled lies within the graph's target (a compiled ancestor
+    would trace through the graph's dispatch).
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> net.compile(backend="eager")
+        >>> on = lambda device: Setting([], ("net", net), CompileOptions(), torch.device(device))
+        >>> [p.name for p in user_compiled_candidates(on("cuda"), [net])]
+        ['user-compiled', 'user-compiled+graph']
+        >>> [p.name for p in user_compiled_candidates(on("cpu"), [net])]
+        ['user-compiled']
+    """
+    user = UserCompiled(modules)
+    within = {id(module) for module in setting.target[1].modules()}
+    if setting.device.type != "cuda" or setting.world_size > 1 or any(id(m) not in within for m in modules):
+        return [user]
+    return [user, UserCompiledGraph(setting, user)]
 
 
 def plan_graph(plan: Plan | None) -> GraphedModule | None:

@@ -34,7 +34,15 @@ from lightning_fuse.fit import FitState
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.measurement import start_measuring
 from lightning_fuse.options import AUTO, FuseOptions
-from lightning_fuse.plan import Setting, UserCompiled, candidates, fit_setting, forced_plan, user_compiled
+from lightning_fuse.plan import (
+    Setting,
+    UserCompiled,
+    candidates,
+    fit_setting,
+    forced_plan,
+    user_compiled,
+    user_compiled_candidates,
+)
 from lightning_fuse.regions import format_plan
 
 if TYPE_CHECKING:
@@ -73,14 +81,16 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
 
 
 def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.LightningModule) -> FitState:
-    """A new fit's state with its candidate plans: the user's own compile, the plans the search will measure, or
-    the one plan explicit settings force."""
+    """A new fit's state with its candidate plans: the user's own compile (with a CUDA graph over it to measure,
+    unless explicit settings say otherwise), the plans the search will measure, or the one plan explicit settings
+    force."""
     searching = options.mode == AUTO and options.cuda_graph == AUTO and options.targets in (AUTO, (AUTO,))
     precompiled = user_compiled(pl_module)
-    fit = FitState(setting=setting, searching=searching and not precompiled, tracker=setting.tracker)
     if precompiled:
-        fit.candidates = [UserCompiled(precompiled)]
-    elif fit.searching:
+        own = user_compiled_candidates(setting, precompiled) if searching else [UserCompiled(precompiled)]
+        return FitState(setting=setting, searching=len(own) > 1, tracker=setting.tracker, candidates=own)
+    fit = FitState(setting=setting, searching=searching, tracker=setting.tracker)
+    if fit.searching:
         fit.candidates = candidates(setting)
     else:
         fit.candidates = [forced_plan(setting, options.mode, options.cuda_graph)]
@@ -103,10 +113,16 @@ def start_cache(options: FuseOptions, fit: FitState, barrier: Callable[[], None]
 
 
 def plan_line(fit: FitState, pl_module: pl.LightningModule) -> str:
-    """The plan line at fit start: what will be chosen from, or what is forced, and the regions."""
-    if isinstance(fit.candidates[0], UserCompiled):
-        intent = f"no compile of its own: {fit.candidates[0].reason}"
-    elif fit.searching:
+    """The plan line at fit start: what will be chosen from, or what is forced, and the regions (none for a network
+    the user compiled: FuseCallback compiles nothing of it)."""
+    user = fit.candidates[0]
+    if isinstance(user, UserCompiled) and not fit.searching:
+        return f"FuseCallback: no compile of its own: {user.reason}"
+    if isinstance(user, UserCompiled):
+        others = ", ".join(plan.name for plan in fit.candidates[1:])
+        return (f"FuseCallback: no compile of its own ({len(user.modules())} module(s) already compiled before the "
+                f"fit); after step {fit.activation_step} the user's compile is measured against: {others}")
+    if fit.searching:
         names = ", ".join(plan.name for plan in fit.candidates)
         intent = f"the plan will be chosen by measurement after step {fit.activation_step} among: {names}"
     else:

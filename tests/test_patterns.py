@@ -9,12 +9,17 @@ the comparison trivial, so :func:`~tests.user_models.pin_search` makes the searc
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
 import lightning_fuse.callback as fuse_callback
+import lightning_fuse.plan as plan_module
+import lightning_fuse.start as start_module
+from lightning_fuse.graphs import GraphedModule
 from tests.user_models import (
     BF16,
     STEPS,
@@ -37,6 +42,8 @@ from tests.user_models import (
     pin_search,
     tiny_gpt2,
 )
+
+CUDA = torch.device("cuda", 0)
 
 # ---------------------------------------------------------------------------------------------- activation checkpointing
 @pytest.mark.parametrize(
@@ -148,6 +155,52 @@ def test_model_compiled_by_the_user_before_the_fit(monkeypatch):
     assert fused.task.model._compiled_call_impl is not None  # the user's compile is left as the user made it
     fused.task.model._compiled_call_impl = None  # for assert_same_training's check that ours is gone
     assert_same_training(fused, eager)
+
+
+def graph_over_the_users_compile_measured(monkeypatch):
+    """On a CPU, the candidates a user-compiled network gets on one GPU: the graph plan runs, uncaptured (CPU
+    tensors), through the user's compiled code, its check for host syncs (a GPU's) finding none; the search is
+    pinned to it."""
+    as_on_a_gpu = lambda setting, modules: plan_module.user_compiled_candidates(replace(setting, device=CUDA), modules)
+    monkeypatch.setattr(start_module, "user_compiled_candidates", as_on_a_gpu)
+    monkeypatch.setattr(plan_module, "syncs_between_regions", lambda *args, **kwargs: None)
+    pin_search(monkeypatch, winner="user-compiled+graph")
+
+
+def test_a_cuda_graph_over_the_users_compile_is_measured_against_their_compile_alone(monkeypatch, caplog):
+    graph_over_the_users_compile_measured(monkeypatch)
+    eager = fit(lambda: UserCompiledTask(compile_it=False))
+    cb = fuse()
+    with caplog.at_level("INFO"):
+        fused = fit(lambda: UserCompiledTask(compile_it=True), [cb])
+    [line] = [r.getMessage() for r in caplog.records if "no compile of its own" in r.getMessage()]
+    assert line.endswith("the user's compile is measured against: user-compiled+graph")
+    assert [t.name for t in cb.decision.trials] == ["user-compiled", "user-compiled+graph"]
+    assert cb.plan.name == "user-compiled+graph" and cb.fit.dropped is None and cb.compiled_regions == []
+    users = fused.task.model._compiled_call_impl
+    assert users is not None and not isinstance(users, GraphedModule)  # the user's compile, as they made it
+    fused.task.model._compiled_call_impl = None  # for assert_same_training's check that ours is gone
+    assert_same_training(fused, eager)
+
+
+def test_a_dropped_graph_over_the_users_compile_leaves_their_compile_running(monkeypatch):
+    graph_over_the_users_compile_measured(monkeypatch)
+
+    class DropAfterActivation(Callback):  # as the running guard would
+        def __init__(self, fuse):
+            self.fuse = fuse
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.fuse.plan is not None and self.fuse.plan.name == "user-compiled+graph":
+                self.fuse.fit.drop_plan("measured slower than eager")
+
+    cb = fuse()
+    with pytest.warns(UserWarning, match="dropped, the rest of the fit runs the model as the user compiled it"):
+        fused = fit(lambda: UserCompiledTask(compile_it=True), [cb, DropAfterActivation(cb)])
+    assert cb.fit.dropped is not None and cb.plan.name == "user-compiled"
+    assert "the rest ran user-compiled" in cb.verdict
+    users = fused.task.model._compiled_call_impl
+    assert users is not None and not isinstance(users, GraphedModule)
 
 
 # ---------------------------------------------------------------------------------------------- shapes that change

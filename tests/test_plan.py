@@ -20,7 +20,18 @@ from lightning_fuse.graphs import (
     graph_target,
     release_capture_graph,
 )
-from lightning_fuse.plan import Regions, Setting, Whole, candidates, forced_plan
+from lightning_fuse import compat
+from lightning_fuse.plan import (
+    Regions,
+    Setting,
+    UserCompiled,
+    UserCompiledGraph,
+    Whole,
+    candidates,
+    forced_plan,
+    user_compiled,
+    user_compiled_candidates,
+)
 from lightning_fuse.regions import Region, resolve_regions
 from tests.toy import ToyTask
 
@@ -43,6 +54,42 @@ def test_candidates_per_device_and_process_count():
     # alone, regions faster than eager spare compiling the whole network; with several processes both are measured
     assert "regions" in candidates(setting_for(task))[-1].dominated_by
     assert several["compile"].dominated_by == ()
+
+
+def test_a_network_the_user_compiled_gets_a_graph_over_their_compile_on_one_gpu_only():
+    task = ToyTask()
+    net = graph_target(task)[1]
+    net.compile(backend="eager")
+    names = lambda setting, modules: [p.name for p in user_compiled_candidates(setting, modules)]
+    assert user_compiled(task) == [net]
+    assert names(setting_for(task, CUDA), [net]) == ["user-compiled", "user-compiled+graph"]
+    assert names(setting_for(task), [net]) == ["user-compiled"]
+    assert names(setting_for(task, CUDA, world_size=2), [net]) == ["user-compiled"]
+    # the LightningModule compiled: its compiled call would trace through the graph's dispatch on the network
+    assert names(setting_for(task, CUDA), [task]) == ["user-compiled"]
+
+
+def test_the_graph_over_the_users_compile_runs_their_code_and_steps_aside_for_eager_and_at_teardown():
+    calls = []
+
+    def counting_backend(gm, example_inputs):
+        return lambda *args: calls.append(1) or gm.forward(*args)
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    net.compile(backend=counting_backend)
+    users = compat.compiled_call_impl(net)
+    plan = UserCompiledGraph(Setting([], ("net", net), CompileOptions(), CUDA), UserCompiled([net]))
+    assert plan.modules() == [net]  # the network once, though the user's compile and the graph both sit on it
+    plan.install()
+    assert compat.compiled_call_impl(net) is plan.graph
+    net(torch.ones(2, 3)).sum().backward()  # CPU tensors: no capture, the user's compiled code runs
+    assert calls and plan.graph.replays == 0
+    ran = len(calls)
+    with plan.bypassed():  # an eager reference step: neither the graph nor the user's compile
+        net(torch.ones(2, 3)).sum().backward()
+    assert len(calls) == ran
+    plan.uninstall()
+    assert compat.compiled_call_impl(net) is users
 
 
 def test_whole_network_candidate_is_not_repeated_when_the_regions_are_the_whole_network():
