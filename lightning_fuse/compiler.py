@@ -48,6 +48,11 @@ TOLERANCES = {
     torch.float16: (1e-2, 1e-2),
     torch.bfloat16: (5e-2, 5e-2),
 }
+FEW_ELEMENTS = 1e-3
+"""The share of a compiled output's elements that may lie beyond :data:`TOLERANCES` where the rest match: a
+data-dependent choice (a router's argmax, a top-k) that low-precision rounding tips the other way changes a few rows
+wholesale, which no elementwise tolerance covers (a top-1 mixture of experts in bf16: 0.01-0.09% of the elements on
+an H100), while a miscompile is rarely that local."""
 
 
 class RepeatedSizes:
@@ -337,7 +342,19 @@ def _pure_inputs(args: tuple, kwargs: dict) -> bool:
 
 
 def _compare(out: Any, reference: Any) -> str | None:
-    """None when ``out`` matches ``reference`` at a dtype-aware tolerance, else a short description."""
+    """None when ``out`` matches ``reference`` at a dtype-aware tolerance (all but :data:`FEW_ELEMENTS` of each
+    output's elements), else a short description.
+
+    Example::
+
+        >>> want = torch.zeros(10_000)
+        >>> got = want.clone(); got[:5] = 1.0  # 0.05%: a few rows a routing flip changed
+        >>> _compare(got, want) is None
+        True
+        >>> got[:50] = 1.0  # 0.5%
+        >>> _compare(got, want)[:40]
+        'output 0: Tensor-likes are not close! Mi'
+    """
     got, want = compat.tree_leaves(out), compat.tree_leaves(reference)
     if len(got) != len(want):
         return f"{len(got)} outputs against {len(want)} from eager"
@@ -348,8 +365,18 @@ def _compare(out: Any, reference: Any) -> str | None:
         try:
             torch.testing.assert_close(a.detach(), b, rtol=rtol, atol=atol)
         except AssertionError as err:
-            return f"output {index}: " + " ".join(str(err).split())[:300]
+            if not _few_elements_differ(a.detach(), b, rtol, atol):
+                return f"output {index}: " + " ".join(str(err).split())[:300]
     return None
+
+
+def _few_elements_differ(got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> bool:
+    """Whether ``got`` differs from ``want`` beyond the tolerance in at most :data:`FEW_ELEMENTS` of its elements
+    (same shape and dtype, and finite where ``want`` is)."""
+    if got.shape != want.shape or got.dtype != want.dtype or not bool(torch.isfinite(got[torch.isfinite(want)]).all()):
+        return False
+    beyond = ~torch.isclose(got, want, rtol=rtol, atol=atol, equal_nan=True)
+    return int(beyond.sum()) <= FEW_ELEMENTS * want.numel()
 
 
 def effective_dtype(tensor: torch.Tensor) -> torch.dtype:

@@ -21,6 +21,23 @@ def wrong_backend(gm, example_inputs):
     return run
 
 
+def flipping_backend(elements):
+    """Compiles to code whose every output has its first ``elements`` elements changed wholesale, as when
+    low-precision rounding tips a router's argmax the other way for a few rows."""
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            outs = [out.clone() if isinstance(out, torch.Tensor) else out for out in gm(*args)]
+            for out in outs:
+                if isinstance(out, torch.Tensor):
+                    out.view(-1)[:elements] += 10.0
+            return outs
+
+        return run
+
+    return backend
+
+
 def compiled(net, backend="eager", **policy):
     tracker = CompileTracker()
     tracker.install()
@@ -29,6 +46,22 @@ def compiled(net, backend="eager", **policy):
     for runner in runners:
         runner.install()
     return runners, tracker
+
+
+@pytest.mark.parametrize(("elements", "kept"), [(8, True), (80, False)], ids=["0.025%-kept", "0.25%-falls-back"])
+def test_a_compiled_output_off_in_a_few_elements_only_is_kept(elements, kept, recwarn):
+    net = Net().eval()
+    x = torch.randn(2000, 8)  # 32,000 elements a block's output: 0.1% of them is 32
+    expected = net(x)
+    runners, tracker = compiled(net, backend=flipping_backend(elements))
+    out = net(x)
+    assert [r.is_compiled for r in runners] == [kept] * 3
+    assert any("differs from eager on the first batch" in str(w.message) for w in recwarn) is not kept
+    if kept:  # the compiled output, its few changed elements included
+        assert not torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected)
+    tracker.remove()
 
 
 def test_in_place_compile_keeps_state_dict_keys_class_and_hooks():
