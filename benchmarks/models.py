@@ -148,6 +148,19 @@ def llama(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
 
 
+def mixtral(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """A Mixtral-style causal LM (8 experts, 2 per token): its experts run on the tokens routed to them, a
+    data-dependent shape in every layer."""
+    full = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                max_position_embeddings=1024)  # fmt: skip
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+                **TINY_TEXT)  # fmt: skip
+    net = _hf("MixtralConfig", "MixtralForCausalLM", full, tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
 def bert(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, **TINY_TEXT)
     net = _hf("BertConfig", "BertForSequenceClassification", {}, tiny, smoke)  # BERT-base, 2 labels
@@ -211,6 +224,7 @@ MODELS: dict[str, tuple[str, Callable, int, int]] = {
     "gpt2": ("transformers", gpt2, 8, 32),
     "llama": ("transformers", llama, 8, 32),
     "llama_lora": ("transformers+peft", llama_lora, 8, 32),
+    "mixtral": ("transformers", mixtral, 8, 32),
     "bert": ("transformers", bert, 32, 128),
     "deberta": ("transformers", deberta, 16, 64),
     "t5": ("transformers", t5, 16, 64),
