@@ -151,12 +151,12 @@ def llama(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
 def mixtral(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     """A Mixtral-style causal LM (8 experts, 2 per token): its experts run on the tokens routed to them, a
     data-dependent shape in every layer."""
-    full = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
-                max_position_embeddings=1024)  # fmt: skip
-    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-                **TINY_TEXT)  # fmt: skip
+    full = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000,
+            "max_position_embeddings": 1024}  # fmt: skip
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64,
+            **TINY_TEXT}  # fmt: skip
     net = _hf("MixtralConfig", "MixtralForCausalLM", full, tiny, smoke)
     return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
 

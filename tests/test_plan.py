@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_fuse import compat
 from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.graphs import (
     SET_REPLACEMENTS,
@@ -20,7 +21,6 @@ from lightning_fuse.graphs import (
     graph_target,
     release_capture_graph,
 )
-from lightning_fuse import compat
 from lightning_fuse.plan import (
     Regions,
     Setting,
