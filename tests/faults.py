@@ -1,5 +1,5 @@
-"""Helpers for the reliability, resume, DDP and optimizer-graph tests: probes, a real compile-cache artifact,
-TensorBoard reads, an optimizer capture and trial timer faked on CPU."""
+"""Helpers for the reliability, resume, DDP, optimizer-graph, search and pattern tests: probes, a plan dropped on
+cue, a real compile-cache artifact, TensorBoard reads, an optimizer capture and trial timer faked on CPU."""
 
 from __future__ import annotations
 
@@ -43,6 +43,18 @@ class FuseProbe(Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.compiles_per_epoch.append(self.fuse.tracker.total_compiles)
+
+
+class DropAfterActivation(Callback):
+    """Drops ``fuse``'s plan named ``plan`` at the end of the first batch it runs, as the running guard or an epoch's
+    check would."""
+
+    def __init__(self, fuse: FuseCallback, plan: str) -> None:
+        self.fuse, self.plan = fuse, plan
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.fuse.plan is not None and self.fuse.plan.name == self.plan:
+            self.fuse.fit.drop_plan("measured slower than eager")
 
 
 def messages(record, text: str) -> list[str]:

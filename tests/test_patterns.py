@@ -20,6 +20,7 @@ import lightning_fuse.callback as fuse_callback
 import lightning_fuse.plan as plan_module
 import lightning_fuse.start as start_module
 from lightning_fuse.graphs import GraphedModule
+from tests.faults import DropAfterActivation
 from tests.user_models import (
     BF16,
     STEPS,
@@ -185,18 +186,9 @@ def test_a_cuda_graph_over_the_users_compile_is_measured_against_their_compile_a
 
 def test_a_dropped_graph_over_the_users_compile_leaves_their_compile_running(monkeypatch):
     graph_over_the_users_compile_measured(monkeypatch)
-
-    class DropAfterActivation(Callback):  # as the running guard would
-        def __init__(self, fuse):
-            self.fuse = fuse
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.fuse.plan is not None and self.fuse.plan.name == "user-compiled+graph":
-                self.fuse.fit.drop_plan("measured slower than eager")
-
     cb = fuse()
     with pytest.warns(UserWarning, match="dropped, the rest of the fit runs the model as the user compiled it"):
-        fused = fit(lambda: UserCompiledTask(compile_it=True), [cb, DropAfterActivation(cb)])
+        fused = fit(lambda: UserCompiledTask(compile_it=True), [cb, DropAfterActivation(cb, "user-compiled+graph")])
     assert cb.fit.dropped is not None and cb.plan.name == "user-compiled"
     assert "the rest ran user-compiled" in cb.verdict
     users = fused.task.model._compiled_call_impl

@@ -8,6 +8,7 @@ from lightning_fuse import FuseCallback
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
 from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox, through_wrapper
+from tests.faults import DropAfterActivation
 from tests.toy import ToyTask
 
 
@@ -242,17 +243,9 @@ def test_a_dropped_plan_is_not_the_next_runs_cached_decision(tmp_path, monkeypat
         call()
         return 1.0 if plan.name == "regions" else 10.0
 
-    class DropAfterActivation(pl.Callback):  # as the running guard or the epoch's check would
-        def __init__(self, fuse):
-            self.fuse = fuse
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if self.fuse.plan is not None and self.fuse.plan.name == "regions":
-                self.fuse.fit.drop_plan("measured slower than eager")
-
     monkeypatch.setattr(PlanSearch, "_time", regions_fastest)
     first = FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2)
-    trainer = pl.Trainer(max_epochs=1, callbacks=[first, DropAfterActivation(first)], logger=False,
+    trainer = pl.Trainer(max_epochs=1, callbacks=[first, DropAfterActivation(first, "regions")], logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
                          limit_val_batches=0)  # fmt: skip
     trainer.fit(ToyTask(samples=96))
