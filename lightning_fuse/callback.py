@@ -54,7 +54,8 @@ class FuseCallback(Callback):
     With ``mode="auto"`` the plan is chosen by measurement: after the fit's first eager steps each candidate (compiled
     regions with one CUDA graph over forward and backward, the whole network under ``torch.compile(mode=
     "reduce-overhead")``, compiled regions, the whole network compiled, eager) runs a few forward and backward passes
-    on the run's own inputs, and the fastest that works is kept; the decision is stored with the compile cache.
+    on the run's own inputs, and the fastest that works and is clearly faster than eager is kept; the decision is
+    stored with the compile cache.
     Explicit ``mode``, ``cuda_graph`` or ``targets`` force a plan. Compiling happens in place (``state_dict`` keys,
     hooks and classes never change). Where the first steps' input shapes vary, CUDA graph plans are left out
     (unless ``pad_buckets``), the varying dims compile as dynamic, and on CUDA the plan's steps leave cuDNN attention

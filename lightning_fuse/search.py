@@ -7,9 +7,11 @@ in forward or in backward), times them with one clock, and uninstalls it. Every 
 :func:`sandbox`: gradients, buffers and RNG states are as before when the search ends, so training goes on as if
 nothing had run. A candidate that raises, whose graph was not captured, or whose loss or gradients differ from
 eager's, is dropped with its reason; a candidate is not tried when one that does all it does and more already ran
-faster than eager. With several processes every rank measures, a candidate that fails on any rank is dropped on
-all, and rank zero's timings decide (:class:`Consensus`). The decision can be stored with the compile cache, so a
-warm run goes straight to the winner (:mod:`~lightning_fuse.decision`).
+faster than eager. A candidate beats the baseline (eager) only when it is clearly faster (:func:`clearly_faster`):
+where the host's noise hides the difference, switching would be a gamble, and the baseline is kept. With several
+processes every rank measures, a candidate that fails on any rank is dropped on all, and rank zero's timings decide
+(:class:`Consensus`). The decision can be stored with the compile cache, so a warm run goes straight to the winner
+(:mod:`~lightning_fuse.decision`).
 
 Example::
 
@@ -34,6 +36,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+from scipy import stats
 from torch import nn
 
 from lightning_fuse import compat
@@ -46,6 +49,28 @@ WARM_CALLS = 2
 """Untimed calls per candidate: the first compiles (and captures), the second settles the allocator."""
 TIMED_CALLS = 5
 """Timed calls per candidate; their median is its time."""
+CLEAR_P = 0.05
+"""A candidate is clearly faster than the baseline when a one-sided Mann-Whitney test of their timed calls gives
+less than this p (5 calls each: at most 4 of the 25 pairs may have the candidate's call slower)."""
+
+
+def clearly_faster(candidate_ms: Sequence[float], baseline_ms: Sequence[float]) -> bool:
+    """Whether ``candidate_ms`` are faster than ``baseline_ms`` beyond their noise (one-sided Mann-Whitney U).
+
+    On the H100 the calls of a host-bound model spread by 30% within one search (an MoE's compiled candidates
+    measured 5% ahead of eager and then ran 10-18% behind it); a median alone would pick a candidate on noise.
+
+    Example::
+
+        >>> clearly_faster([8.0, 8.1, 7.9, 8.2, 8.0], [10.0, 10.2, 9.9, 10.1, 10.0])
+        True
+        >>> clearly_faster([8.0, 12.0, 7.0, 13.0, 9.0], [10.0, 11.0, 9.5, 10.5, 10.0])  # faster median, no more
+        False
+    """
+    if len(candidate_ms) < 2 or len(baseline_ms) < 2:
+        return statistics.median(candidate_ms) < statistics.median(baseline_ms)
+    p = stats.mannwhitneyu(candidate_ms, baseline_ms, alternative="less").pvalue
+    return bool(p < CLEAR_P)  # NaN (every call equal) is not clear
 
 
 class Consensus:
@@ -95,6 +120,7 @@ class PlanSearch:
         self._clock = clock
         self._reference = reference
         self._eager_reference: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._times: dict[str, list[float]] = {}  # each timed candidate's calls, ms
 
     def run(self, call: Callable[[], None]) -> Decision:
         """Try every candidate with ``call`` (one forward+backward of the network) and return the decision."""
@@ -103,34 +129,43 @@ class PlanSearch:
             skip = self._skip_reason(plan, trials)
             trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call))
         timed = [t for t in trials if t.ms is not None]
-        winner = min(timed, key=lambda t: t.ms) if timed else Trial(self.candidates[0].name)
+        eligible = [t for t in timed if t is trials[0] or self._beats_baseline(t, trials)]
+        winner = min(eligible or timed, key=lambda t: t.ms) if timed else Trial(self.candidates[0].name)
         for trial in timed:
             trial.outcome = "chosen" if trial is winner else f"slower than {winner.name}"
+            if trial not in eligible and trial.ms < winner.ms:
+                trial.outcome = f"not clearly faster than {trials[0].name}: within its noise"
         return Decision(winner.name, trials)
+
+    def _beats_baseline(self, trial: Trial, trials: list[Trial]) -> bool:
+        baseline = trials[0] if trials else None
+        if baseline is None or baseline.ms is None or trial.ms is None:
+            return False
+        return clearly_faster(self._times[trial.name], self._times[baseline.name])
 
     def _skip_reason(self, plan: Plan, trials: list[Trial]) -> str | None:
         if plan.tried_after is not None and not any(
             t.name == plan.tried_after and t.outcome.startswith("failed") for t in trials
         ):
             return f"a fallback for {plan.tried_after}, which did not fail"
-        baseline = trials[0].ms if trials else None
         for trial in trials:
-            if trial.name in plan.dominated_by and trial.ms is not None and baseline and trial.ms < baseline:
+            if trial.name in plan.dominated_by and self._beats_baseline(trial, trials):
                 return f"{trial.name} does what it does and ran faster than eager"
         return None
 
     def _try(self, plan: Plan, call: Callable[[], None]) -> Trial:
-        failure, ms = _unfit(plan, call), None
+        failure, times = _unfit(plan, call), None
         if failure is None:
-            failure, ms = self._measure(plan, call)
+            failure, times = self._measure(plan, call)
         if not self.consensus.agree(failure is None):
             return Trial(plan.name, outcome=f"failed: {failure or 'it failed on another rank'}")
-        return Trial(plan.name, self.consensus.share(ms))
+        self._times[plan.name] = self.consensus.share(times)
+        return Trial(plan.name, statistics.median(self._times[plan.name]))
 
-    def _measure(self, plan: Plan, call: Callable[[], None]) -> tuple[str | None, float | None]:
-        """Install the plan, check its first call, time it; its failure (or ``None``) and its median ms."""
+    def _measure(self, plan: Plan, call: Callable[[], None]) -> tuple[str | None, list[float] | None]:
+        """Install the plan, check its first call, time it; its failure (or ``None``) and its timed calls' ms."""
         plan.install()
-        failure, ms = None, None
+        failure, times = None, None
         try:
             plan.step_begin()
             call()
@@ -138,22 +173,22 @@ class PlanSearch:
             for _ in range(WARM_CALLS - 1):
                 plan.step_begin()
                 call()
-            ms = None if failure else self._time(plan, call)
+            times = None if failure else self._time(plan, call)
             failure = failure or plan.failure
         except Exception as err:  # noqa: BLE001 - a candidate that raises costs only itself
             failure = describe_error(err)
         finally:
             plan.uninstall()
-        return failure, ms
+        return failure, times
 
-    def _time(self, plan: Plan, call: Callable[[], None]) -> float:
+    def _time(self, plan: Plan, call: Callable[[], None]) -> list[float]:
         times = []
         for _ in range(TIMED_CALLS):
             start = self._clock()
             plan.step_begin()
             call()
             times.append((self._clock() - start) * 1e3)
-        return statistics.median(times)
+        return times
 
     def _check(self) -> str | None:
         """Whether the first call's loss and gradient norm match eager's (the first candidate's)."""

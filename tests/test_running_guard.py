@@ -18,7 +18,7 @@ from lightning_fuse.hooks import FitHooks
 from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
 from lightning_fuse.running_guard import BEFORE, EAGER, PLAN, RunningGuard, window_speedup
-from lightning_fuse.search import PlanSearch
+from lightning_fuse.search import TIMED_CALLS, PlanSearch
 from tests.toy import ToyTask, trainer
 
 CUDA = torch.device("cuda", 0)
@@ -191,7 +191,7 @@ def regions_win_on_a_fake_clock(monkeypatch) -> FakeClock:
 
     def pinned_time(self, plan, call):
         call()
-        return 1.0 if plan.name == "regions" else 10.0
+        return [1.0 if plan.name == "regions" else 10.0] * TIMED_CALLS
 
     monkeypatch.setattr(PlanSearch, "_time", pinned_time)
     monkeypatch.setattr(RunningGuard, "__init__", lambda self, window=None: plain_init(self, window, clock))

@@ -7,7 +7,7 @@ import torch
 from lightning_fuse import FuseCallback
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
-from lightning_fuse.search import Consensus, PlanSearch, TrialCall, sandbox, through_wrapper
+from lightning_fuse.search import TIMED_CALLS, Consensus, PlanSearch, TrialCall, sandbox, through_wrapper
 from tests.faults import DropAfterActivation
 from tests.toy import ToyTask
 
@@ -16,13 +16,15 @@ class Clock:
     """A fake clock: each call of the installed plan advances it by that plan's cost."""
 
     def __init__(self) -> None:
-        self.now, self.cost = 0.0, 0.0
+        self.now, self.cost, self.calls = 0.0, 0.0, 0
 
     def __call__(self) -> float:
         return self.now
 
     def tick(self) -> None:
-        self.now += self.cost
+        costs = self.cost if isinstance(self.cost, list) else [self.cost]
+        self.now += costs[self.calls % len(costs)]  # a list: each call costs the next one, in turn
+        self.calls += 1
 
 
 class Timed(Plan):
@@ -32,7 +34,8 @@ class Timed(Plan):
         self.installed = False
 
     def install(self):
-        self.installed, self.clock.cost = True, self.ms / 1e3
+        ms = self.ms if isinstance(self.ms, list) else [self.ms]
+        self.installed, self.clock.cost, self.clock.calls = True, [m / 1e3 for m in ms], 0
         if self.fails:
             self.clock.cost = None
 
@@ -83,6 +86,28 @@ def test_eager_wins_when_nothing_beats_it():
     clock = Clock()
     decision = run([Timed("eager", 5, clock), Timed("regions", 6, clock)], clock)
     assert decision.winner == "eager" and decision.trials[1].outcome == "slower than eager"
+
+
+def test_a_candidate_ahead_of_eager_only_within_the_noise_leaves_eager_chosen():
+    clock = Clock()
+    plans = [Timed("eager", [10, 11, 9, 12, 8], clock), Timed("compile", [9, 13, 7, 11, 8.5], clock)]
+    decision = run(plans, clock)
+    assert decision.trials[1].ms == pytest.approx(9.0)  # a faster median than eager's 10 ms, on noise
+    assert decision.winner == "eager"
+    assert decision.trials[1].outcome == "not clearly faster than eager: within its noise"
+
+
+def test_the_fastest_of_the_candidates_clearly_ahead_of_eager_wins_and_a_noisy_one_skips_nothing():
+    clock = Clock()
+    plans = [Timed("eager", [10, 10.2, 9.9, 10.1, 10], clock), Timed("regions+graph", [9, 12, 6, 11.5, 7], clock),
+             Timed("regions", [9.5, 9.6, 9.4, 9.5, 9.5], clock, dominated_by=("regions+graph",))]  # fmt: skip
+    decision = run(plans, clock)
+    assert decision.winner == "regions"  # regions+graph's median (9 ms) is lower, but within eager's noise
+    assert [t.outcome for t in decision.trials] == [
+        "slower than regions",
+        "not clearly faster than eager: within its noise",
+        "chosen",
+    ]
 
 
 def test_a_candidate_dominated_by_a_faster_one_is_not_compiled():
@@ -184,7 +209,9 @@ def test_under_fsdp_a_trial_runs_inside_the_root_units_forward_and_leaves_the_li
 def test_a_candidate_failing_on_another_rank_is_dropped_and_rank_zero_times_decide():
     clock = Clock()
     votes = iter([True, False, True])  # the second candidate failed on some other rank
-    consensus = Consensus(agree=lambda ok: ok and next(votes), share=lambda ms: None if ms is None else ms * 10)
+    consensus = Consensus(
+        agree=lambda ok: ok and next(votes), share=lambda times: None if times is None else [ms * 10 for ms in times]
+    )
     plans = [Timed("eager", 10, clock), Timed("regions", 1, clock), Timed("compile", 5, clock)]
     decision = run(plans, clock, consensus=consensus)
     assert decision.trials[1].outcome == "failed: it failed on another rank"
@@ -241,7 +268,7 @@ def test_a_fit_chooses_by_measurement_and_a_warm_fit_reuses_the_cached_decision(
 def test_a_dropped_plan_is_not_the_next_runs_cached_decision(tmp_path, monkeypatch):
     def regions_fastest(self, plan, call):
         call()
-        return 1.0 if plan.name == "regions" else 10.0
+        return [1.0 if plan.name == "regions" else 10.0] * TIMED_CALLS
 
     monkeypatch.setattr(PlanSearch, "_time", regions_fastest)
     first = FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2)

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import lightning_fuse.callback as fuse_callback
 from lightning_fuse import FuseCallback
-from lightning_fuse.search import PlanSearch
+from lightning_fuse.search import TIMED_CALLS, PlanSearch
 from tests.toy import Net
 
 BATCH = 8
@@ -112,7 +112,7 @@ def pin_search(monkeypatch, winner: str = "regions") -> None:
 
     def pinned_time(self, plan, call):
         call()
-        return 1.0 if plan.name == winner else 10.0 if plan.name == "eager" else 20.0
+        return [1.0 if plan.name == winner else 10.0 if plan.name == "eager" else 20.0] * TIMED_CALLS
 
     monkeypatch.setattr(PlanSearch, "_time", pinned_time)
     monkeypatch.setattr(fuse_callback, "SLOWER_THAN_EAGER", 0.0)
