@@ -139,7 +139,7 @@ def _eager_verdict(fit: FitState) -> str:
     best = min(timed, key=lambda t: t.ms) if timed else None
     against = f"the best plan, {best.name}, ran at {eager / best.ms:.2f}x of eager" if best and eager else (
         "every other plan failed")
-    return (f"FuseCallback: 1.00x, kept eager: no plan beat it on this {fit.setting.device.type.upper()} "
+    return (f"FuseCallback: 1.00x, kept eager: no plan was clearly faster on this {fit.setting.device.type.upper()} "
             f"({against}); compile {fit.tracker.total_s:.0f} s spent finding out")
 
 
