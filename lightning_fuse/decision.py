@@ -40,7 +40,8 @@ class Trial:
     name: str
     ms: float | None = None
     outcome: str = "not tried"
-    """``chosen``, ``slower than <winner>``, ``failed: <reason>`` or ``skipped: <reason>``."""
+    """``chosen``, ``slower than <winner>``, ``not clearly faster than <baseline>: within its noise``,
+    ``failed: <reason>`` or ``skipped: <reason>``."""
 
 
 @dataclass
