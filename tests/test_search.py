@@ -16,14 +16,13 @@ class Clock:
     """A fake clock: each call of the installed plan advances it by that plan's cost."""
 
     def __init__(self) -> None:
-        self.now, self.cost, self.calls = 0.0, 0.0, 0
+        self.now, self.cost, self.calls = 0.0, [0.0], 0
 
     def __call__(self) -> float:
         return self.now
 
     def tick(self) -> None:
-        costs = self.cost if isinstance(self.cost, list) else [self.cost]
-        self.now += costs[self.calls % len(costs)]  # a list: each call costs the next one, in turn
+        self.now += self.cost[self.calls % len(self.cost)]  # each call costs the next one, in turn
         self.calls += 1
 
 
