@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_fuse import compat
+from lightning_fuse import compat, replay
 from lightning_fuse.options import RECOMPILE_LIMIT
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
@@ -227,6 +227,7 @@ class CompiledRegion:
         except compat.control_flow_errors():
             raise  # torch's own signal through user code (checkpointing's early stop), not a failure
         except Exception as err:  # noqa: BLE001 - any compiler failure; a user bug re-raises from eager below
+            replay.release_generators()  # a capture of torch's that failed would fail the eager call's dropout
             out = compat.call_uncompiled(module, *args, **kwargs)  # raises here if the code itself is wrong
             self.fall_back(describe_error(err))
             return out

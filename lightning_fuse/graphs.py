@@ -460,7 +460,7 @@ def restored_on_failure(module: nn.Module) -> Iterator[None]:
             with suppress(RuntimeError):  # the failed capture's own error, raised again here: already reported
                 torch.cuda.synchronize()  # a capture that failed on the device says so here, not in the next step
                 torch.cuda.empty_cache()
-        snapshot.restore_rng()  # also ends a generator's capture state left behind by the failed capture
+        snapshot.restore_rng()
         snapshot.restore_grads()
         torch.clear_autocast_cache()
         raise

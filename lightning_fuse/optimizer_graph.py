@@ -55,7 +55,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_fuse import compat
+from lightning_fuse import compat, replay
 from lightning_fuse.clipping import ClipKey, ClippingInUpdate
 from lightning_fuse.compiler import describe_error
 from lightning_fuse.optimizer_trial import BLOCK_STEPS, EAGER, GRAPH, TRIAL_BLOCKS, Trial
@@ -74,7 +74,7 @@ Capture = Callable[[Callable[[], None]], Callable[[], None]]
 def cuda_capture(update: Callable[[], None]) -> Callable[[], None]:
     """Record ``update()`` into a CUDA graph (its kernels do not run) and return the graph's replay."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with replay.generators_released_on_failure(), torch.cuda.graph(graph):
         update()
     return graph.replay
 

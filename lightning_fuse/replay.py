@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import torch
@@ -53,7 +53,7 @@ def capture(module: nn.Module, sample_args: tuple[torch.Tensor, ...], num_warmup
     """
     params = [p for p in module.parameters() if p.requires_grad]
     if not writes_gradients_itself(params):
-        with own_cublas_workspaces():
+        with own_cublas_workspaces(), generators_released_on_failure():
             return torch.cuda.make_graphed_callables(module, sample_args, num_warmup_iters=num_warmup_iters)
     if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
         raise RuntimeError("a CUDA graph cannot be captured under autocast with cache_enabled=True")
@@ -66,13 +66,53 @@ def capture(module: nn.Module, sample_args: tuple[torch.Tensor, ...], num_warmup
             _gradients(outputs, surface, [torch.empty_like(o) if o.requires_grad else None for o in outputs])
     torch.cuda.synchronize()
     forward, backward, pool = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-    with own_cublas_workspaces():  # not the workspace the warmup allocated on this stream, in ordinary memory
+    with own_cublas_workspaces(), generators_released_on_failure():  # own: not the workspace of the warmup
         with torch.cuda.graph(forward, stream=stream, pool=pool):
             outputs = module(*sample_args)
         grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
         with torch.cuda.graph(backward, stream=stream, pool=pool):
             grads = _gradients(outputs, surface, grad_outputs)
     return Replay(forward.replay, backward.replay, sample_args, outputs, grad_outputs, grads, params)
+
+
+@contextmanager
+def generators_released_on_failure() -> Iterator[None]:
+    """If the block (a CUDA graph capture) raises, :func:`release_generators` before the error goes on.
+
+    Example::
+
+        >>> with generators_released_on_failure():
+        ...     pass
+    """
+    try:
+        yield
+    except BaseException:
+        release_generators()
+        raise
+
+
+def release_generators() -> None:
+    """End the capture that torch's default CUDA generator still counts as under way after a capture failed at its
+    end (no-op where CUDA is not initialised).
+
+    ``CUDAGraph.capture_end`` raises before it tells the generators registered with the graph that the capture is
+    over ("operation failed due to a previous error during capture"). From then on every random op outside a graph
+    raises "Offset increment outside graph capture encountered unexpectedly": dropout in the eager fallback, the
+    next candidate's compile. A capture that succeeds tells them: one of a single fill. Nothing public resets the
+    flag otherwise (``set_rng_state`` does not). A device left in error fails this capture too, silently: its next
+    operation reports that error anyway. Inside a capture (a region that failed within the graph over the network)
+    it waits for that capture's end.
+
+    Example::
+
+        >>> release_generators()  # on a CPU: nothing to end
+    """
+    if not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+        return
+    with suppress(RuntimeError):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            torch.zeros(1, device="cuda")
 
 
 @contextmanager

@@ -2,6 +2,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_fuse import replay
 from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
@@ -110,6 +111,20 @@ def test_a_region_whose_compiled_code_fails_falls_back_to_eager_with_one_warning
     assert [r.fallback_reason is not None for r in runners] == [True, True, True]
     assert not any(r.is_compiled for r in runners)
     assert len([w for w in record if "blocks.0" in str(w.message)]) == 1
+    tracker.remove()
+
+
+def test_a_region_that_fails_releases_the_cuda_generators_before_it_runs_eagerly(monkeypatch):
+    """torch's cudagraph trees may fail a capture inside the compiled call; the eager rerun's dropout would then
+    raise (replay.release_generators)."""
+    order = []
+    monkeypatch.setattr(replay, "release_generators", lambda: order.append("released"))
+    net = Net()
+    net.blocks[0].register_forward_pre_hook(lambda *_: order.append("call"))  # the compiled call's, then eager's
+    runners, tracker = compiled(net, backend=failing_backend)
+    with pytest.warns(UserWarning, match="falls back to eager"):
+        net(torch.randn(4, 8))
+    assert order[:3] == ["call", "released", "call"] and order.count("released") == len(runners)
     tracker.remove()
 
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from lightning_fuse import replay
 from lightning_fuse.graphs import GraphedModule
+from lightning_fuse.optimizer_graph import cuda_capture
 from lightning_fuse.replay import Replay, accumulate, writes_gradients_itself
 
 
@@ -137,6 +138,62 @@ def test_the_capture_gets_cublas_workspaces_of_its_own_not_the_warmups(monkeypat
         monkeypatch.setattr(torch.cuda, name, fake)
     replay.capture(net, (torch.ones(1, 2),), num_warmup_iters=2)
     assert events == ["forward", "forward", "clear", "capture", "forward", "capture", "clear"]
+
+
+FAILED_CAPTURE = "CUDA error: operation failed due to a previous error during capture"
+
+
+@contextmanager
+def failing_graph(cuda_graph: FakeGraph, stream: object = None, pool: object = None):
+    yield
+    raise RuntimeError(FAILED_CAPTURE)  # torch.cuda.graph's exit: capture_end raises
+
+
+def fail_torchs_capture(module: nn.Module, args: tuple, num_warmup_iters: int) -> None:
+    raise RuntimeError(FAILED_CAPTURE)
+
+
+@pytest.mark.parametrize("path", ["own capture", "torch's capture", "optimizer update"])
+def test_a_capture_that_fails_releases_the_generators_before_its_error_goes_on(monkeypatch, path):
+    """A capture that fails at its end leaves torch's CUDA generators counting it as under way: every later random
+    op outside a graph raises (on an H100: ViT's next candidate failed to compile on "Offset increment outside graph
+    capture encountered unexpectedly"). Each capture FuseCallback runs hands that state back when it fails."""
+    net, released = nn.Linear(2, 2), []
+    monkeypatch.setattr(replay, "release_generators", lambda: released.append(True))
+    monkeypatch.setattr(replay.compat, "clear_cublas_workspaces", lambda: None)
+    fakes = {"synchronize": lambda: None, "Stream": object, "stream": lambda stream: nullcontext(),
+             "CUDAGraph": FakeGraph, "graph_pool_handle": lambda: (0, 1), "graph": failing_graph,
+             "make_graphed_callables": fail_torchs_capture}  # fmt: skip
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    if path == "torch's capture":
+        net.weight.register_hook(lambda grad: grad)
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        if path == "optimizer update":
+            cuda_capture(lambda: None)
+        else:
+            replay.capture(net, (torch.ones(1, 2),), num_warmup_iters=1)
+    assert released == [True]
+
+
+def test_the_generators_are_released_by_a_capture_that_succeeds_and_never_inside_another(monkeypatch):
+    captures = []
+
+    @contextmanager
+    def graph(cuda_graph: FakeGraph):
+        captures.append(cuda_graph)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch, "zeros", lambda *shape, device: None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    replay.release_generators()
+    assert captures == []  # the capture under way ends them itself; a second one would fail it
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    replay.release_generators()
+    assert len(captures) == 1 and isinstance(captures[0], FakeGraph)
 
 
 @pytest.mark.parametrize("zero", ["accumulate", "in_place", "after_forward"])
