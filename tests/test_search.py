@@ -139,8 +139,9 @@ def test_regions_under_torchs_graphs_compete_with_reduce_overhead_where_both_gra
     """A network whose graph fails on a host sync breaks at that sync when compiled whole too: reduce-overhead then
     does not do all that regions+trees does (an H100's Mixtral: 67.4 against 71.4 ms a step, a warm start of 12.8
     against 63.8 s), so it does not skip it; one graph over the compiled network still does."""
-    dominated_by = {p.name: p.dominated_by for p in candidates(Setting(resolve_regions(ToyTask(), "auto", ()),
-                    graph_target(ToyTask()), CompileOptions(), torch.device("cuda")))}  # fmt: skip
+    task = ToyTask()
+    setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(), torch.device("cuda"))
+    dominated_by = {plan.name: plan.dominated_by for plan in candidates(setting)}
     clock = Clock()
     plans = [Timed("eager", 10, clock), Timed("regions+graph", 2, clock, fails=True),
              Timed("compile+graph", 2, clock, fails=True, dominated_by=dominated_by["compile+graph"]),
