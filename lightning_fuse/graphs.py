@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import gc
-import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -319,21 +318,32 @@ class GraphedModule:
         flat = FlatCall(self.module, self.run_inner, args, kwargs)
         tensors = static_inputs(flat.pick(leaves))
         self._capturing = True  # the capture calls the module: those calls must reach the inner module
+        probed: int | None = None  # the compiles counted once the probes passed
         try:
             with restored_on_failure(self.module):
                 self._probe(flat, tensors)
+                probed = self._compiles()
                 graphed = self._capture_fn(flat, tensors, num_warmup_iters=3)
             graphed = graphed.__dict__.pop("forward") if isinstance(graphed, nn.Module) else graphed
-            release_capture_graph(graphed)
+            replay.release_capture_graph(graphed)
             self._graphs[signature] = (flat, graphed)
             rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward "
                            f"({len(self._graphs)} so far; at most {self.max_graphs} per set of trainable parameters).")
         except Uncapturable as err:
             self.disable(str(err))
         except Exception as err:  # noqa: BLE001 - a capture failure must not cost the run
-            self.disable(f"the capture failed ({describe_error(err)})")
+            self.disable(self._capture_failure(err, probed))
         finally:
             self._capturing = False
+
+    def _capture_failure(self, err: Exception, probed: int | None) -> str:
+        """Why the capture failed, for the warning: a region that compiled inside it says so (the code around the
+        regions took another path while capturing: transformers builds an attention mask only then)."""
+        if probed is not None and self._compiles() != probed:
+            return ("its compiled regions compiled again inside the capture, which no capture survives: the code "
+                    "around them takes another path while a CUDA graph is captured (as transformers' attention "
+                    f"masks do) ({describe_error(err)})")  # fmt: skip
+        return f"the capture failed ({describe_error(err)})"
 
     def _probe(self, flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:
         """Two eager forward+backward passes outside any capture; what would fail inside one fails here."""
@@ -488,51 +498,3 @@ def host_syncs_raise(on: bool) -> Iterator[None]:
         yield
     finally:
         torch.cuda.set_sync_debug_mode(before)
-
-
-def release_capture_graph(graphed: Any) -> int:
-    """Free the autograd graph of the capture, which the graphed forward's closures keep alive; returns how many
-    captured outputs were detached.
-
-    ``make_graphed_callables`` keeps its captured forward outputs, and with them the autograd graph of the capture,
-    including each parameter's ``AccumulateGrad`` node, made on its side stream. A node accumulates on the stream it
-    was made on, so while it lives every backward accumulates each gradient on that side stream, with a
-    cross-stream sync per parameter. The replay never uses that graph: detached, the nodes are freed and the next
-    forward makes new ones on its own stream.
-
-    Example::
-
-        >>> def capture():
-        ...     out = (torch.ones(2, requires_grad=True) * 2,)
-        ...     return (lambda: out), out
-        >>> replay, out = capture()
-        >>> release_capture_graph(replay), out[0].grad_fn
-        (1, None)
-    """
-    detached, seen, todo = 0, set(), [graphed]
-    while todo:
-        obj = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.grad_fn is not None and not compat.is_view(obj):
-                obj.detach_()
-                detached += 1
-        elif isinstance(obj, (tuple, list)):
-            todo.extend(obj)
-        elif isinstance(obj, staticmethod):
-            todo.append(obj.__func__)
-        elif isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
-            todo.extend(vars(obj).values())
-        elif inspect.isfunction(obj):
-            todo.extend(cell.cell_contents for cell in obj.__closure__ or () if _filled(cell))
-    return detached
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 - an empty cell raises
-    except ValueError:
-        return False
-    return True

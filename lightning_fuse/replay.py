@@ -12,7 +12,9 @@ Nothing else may watch the gradients arrive for that: :func:`capture` writes the
 (DDP's reducer and FSDP hook autograd's accumulation) where no parameter has a gradient hook, and otherwise
 captures with ``make_graphed_callables``. Either way the capture's matrix products get cuBLAS workspaces in the
 graph's own memory (:func:`own_cublas_workspaces`): a workspace allocated before the capture is freed under the graph
-when torch's cudagraph trees record (a ``reduce-overhead`` trial), and the graph's next replay faults.
+when torch's cudagraph trees record (a ``reduce-overhead`` trial), and the graph's next replay faults. What a capture
+leaves behind is cleared here too: the autograd graph its outputs keep alive (:func:`release_capture_graph`), and a
+CUDA generator that still counts a failed capture as under way (:func:`release_generators`).
 
 Example::
 
@@ -27,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -73,6 +76,54 @@ def capture(module: nn.Module, sample_args: tuple[torch.Tensor, ...], num_warmup
         with torch.cuda.graph(backward, stream=stream, pool=pool):
             grads = _gradients(outputs, surface, grad_outputs)
     return Replay(forward.replay, backward.replay, sample_args, outputs, grad_outputs, grads, params)
+
+
+def release_capture_graph(graphed: Any) -> int:
+    """Free the autograd graph of the capture, which the graphed forward's closures keep alive; returns how many
+    captured outputs were detached.
+
+    ``make_graphed_callables`` keeps its captured forward outputs, and with them the autograd graph of the capture,
+    including each parameter's ``AccumulateGrad`` node, made on its side stream. A node accumulates on the stream it
+    was made on, so while it lives every backward accumulates each gradient on that side stream, with a
+    cross-stream sync per parameter. The replay never uses that graph: detached, the nodes are freed and the next
+    forward makes new ones on its own stream.
+
+    Example::
+
+        >>> def capture():
+        ...     out = (torch.ones(2, requires_grad=True) * 2,)
+        ...     return (lambda: out), out
+        >>> replay, out = capture()
+        >>> release_capture_graph(replay), out[0].grad_fn
+        (1, None)
+    """
+    detached, seen, todo = 0, set(), [graphed]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.grad_fn is not None and not compat.is_view(obj):
+                obj.detach_()
+                detached += 1
+        elif isinstance(obj, (tuple, list)):
+            todo.extend(obj)
+        elif isinstance(obj, staticmethod):
+            todo.append(obj.__func__)
+        elif isinstance(obj, type) and issubclass(obj, torch.autograd.Function):
+            todo.extend(vars(obj).values())
+        elif inspect.isfunction(obj):
+            todo.extend(cell.cell_contents for cell in obj.__closure__ or () if _filled(cell))
+    return detached
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 @contextmanager

@@ -19,7 +19,6 @@ from lightning_fuse.graphs import (
     GraphedModule,
     call_signature,
     graph_target,
-    release_capture_graph,
 )
 from lightning_fuse.plan import (
     Regions,
@@ -33,6 +32,7 @@ from lightning_fuse.plan import (
     user_compiled_candidates,
 )
 from lightning_fuse.regions import Region, resolve_regions
+from lightning_fuse.replay import release_capture_graph
 from tests.toy import ToyTask
 
 CUDA = torch.device("cuda", 0)
@@ -406,6 +406,25 @@ def test_the_probe_refuses_regions_that_compile_again_at_every_call():
     with pytest.warns(UserWarning, match="compile again at every call"):
         net(torch.randn(3, 2))
     assert not graphed.captured
+    graphed.uninstall()
+
+
+def test_a_capture_failed_by_a_region_compiling_inside_it_says_so():
+    """transformers' ViT builds an attention mask only while a CUDA stream captures, so its compiled layers met a new
+    input inside the capture and compiled there, which failed it (an H100, TORCH_LOGS=recompiles)."""
+    net, compiles = nn.Linear(2, 2), [0]
+
+    def capture_that_compiles(flat, tensors, num_warmup_iters):
+        compiles[0] += 1  # the glue took its capturing path: a region compiles for it
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    graphed = GraphedModule("net", net, capture=capture_that_compiles, on_device=lambda t: True,
+                            compiles=lambda: compiles[0])  # fmt: skip
+    graphed.install()
+    graphed.capture_allowed = True
+    with pytest.warns(UserWarning, match="compiled again inside the capture"):
+        net(torch.randn(3, 2))
+    assert "previous error during capture" in graphed.disabled_reason and not graphed.captured
     graphed.uninstall()
 
 
