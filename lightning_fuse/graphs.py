@@ -340,9 +340,9 @@ class GraphedModule:
         """Why the capture failed, for the warning: a region that compiled inside it says so (the code around the
         regions took another path while capturing: transformers builds an attention mask only then)."""
         if probed is not None and self._compiles() != probed:
-            return ("its compiled regions compiled again inside the capture, which no capture survives: the code "
-                    "around them takes another path while a CUDA graph is captured (as transformers' attention "
-                    f"masks do) ({describe_error(err)})")  # fmt: skip
+            return ("its compiled regions compiled again inside the capture, which no capture survives (the code "
+                    "around them may take another path while a CUDA graph is captured, as transformers' attention "
+                    f"masks do: {describe_error(err)})")  # fmt: skip
         return f"the capture failed ({describe_error(err)})"
 
     def _probe(self, flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:
