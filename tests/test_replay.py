@@ -119,6 +119,15 @@ class FakeGraph:
         pass
 
 
+def fake_cuda(monkeypatch, graph, **more) -> None:
+    """``torch.cuda`` as a capture uses it, on a CPU: no-op syncs, streams, graphs and pool; ``graph`` stands for
+    ``torch.cuda.graph`` (the capture's context), ``more`` for further functions."""
+    fakes = {"synchronize": lambda: None, "Stream": object, "stream": lambda stream: nullcontext(),
+             "CUDAGraph": FakeGraph, "graph_pool_handle": lambda: (0, 1), "graph": graph, **more}  # fmt: skip
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+
+
 def test_the_capture_gets_cublas_workspaces_of_its_own_not_the_warmups(monkeypatch):
     """cuBLAS keeps a workspace per stream. The one the warmup allocated on the capture's stream is ordinary memory,
     which torch's cudagraph trees free under the graph when they record (the H100 fault: "unspecified launch
@@ -132,10 +141,7 @@ def test_the_capture_gets_cublas_workspaces_of_its_own_not_the_warmups(monkeypat
         yield
 
     monkeypatch.setattr(replay.compat, "clear_cublas_workspaces", lambda: events.append("clear"))
-    fakes = {"synchronize": lambda: None, "Stream": object, "stream": lambda stream: nullcontext(),
-             "CUDAGraph": FakeGraph, "graph_pool_handle": lambda: (0, 1), "graph": graph}
-    for name, fake in fakes.items():
-        monkeypatch.setattr(torch.cuda, name, fake)
+    fake_cuda(monkeypatch, graph)
     replay.capture(net, (torch.ones(1, 2),), num_warmup_iters=2)
     assert events == ["forward", "forward", "clear", "capture", "forward", "capture", "clear"]
 
@@ -161,11 +167,7 @@ def test_a_capture_that_fails_releases_the_generators_before_its_error_goes_on(m
     net, released = nn.Linear(2, 2), []
     monkeypatch.setattr(replay, "release_generators", lambda: released.append(True))
     monkeypatch.setattr(replay.compat, "clear_cublas_workspaces", lambda: None)
-    fakes = {"synchronize": lambda: None, "Stream": object, "stream": lambda stream: nullcontext(),
-             "CUDAGraph": FakeGraph, "graph_pool_handle": lambda: (0, 1), "graph": failing_graph,
-             "make_graphed_callables": fail_torchs_capture}  # fmt: skip
-    for name, fake in fakes.items():
-        monkeypatch.setattr(torch.cuda, name, fake)
+    fake_cuda(monkeypatch, failing_graph, make_graphed_callables=fail_torchs_capture)
     if path == "torch's capture":
         net.weight.register_hook(lambda grad: grad)
     with pytest.raises(RuntimeError, match="previous error during capture"):
