@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fuse.choice import Training, activate_plan, share_optimizer_verdict
@@ -181,8 +182,9 @@ class FuseCallback(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ddp = isinstance(trainer.strategy.model, DistributedDataParallel)  # DDP's wrapper, not DeepSpeed's or FSDP's
         self.fit = start_fit(self.options, pl_module, world_size=trainer.world_size,
-                             precision=trainer.precision_plugin)  # fmt: skip
+                             precision=trainer.precision_plugin, ddp=ddp)  # fmt: skip
         self.fit.hooks.cache = start_cache(self.options, self.fit, trainer.strategy.barrier)
         rank_zero_info(plan_line(self.fit, pl_module))
 

@@ -67,19 +67,29 @@ class Setting:
     tracker: CompileTracker = field(default_factory=CompileTracker)
     policy: RegionPolicy = field(default_factory=RegionPolicy)
     world_size: int = 1
+    ddp: bool = False
+    """With several processes, whether they run DDP: each holds the whole network, and DDP's reducer all-reduces the
+    gradients autograd accumulates, so a CUDA graph over the network's forward and backward can run there (the
+    all-reduce after its backward, outside it). FSDP gathers and frees parameters inside the forward: no graph."""
     max_graphs: int = 1
     """CUDA graphs a graph plan may capture, one per batch signature (one per bucket with ``pad_buckets``)."""
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether a plan may capture CUDA graphs: on a CUDA device, in one process or under DDP."""
+        return self.device.type == "cuda" and (self.world_size == 1 or self.ddp)
 
-def fit_setting(options: FuseOptions, pl_module: pl.LightningModule, world_size: int) -> Setting:
-    """What the fit's plans are built from: its regions, its network, the compile arguments, the device."""
+
+def fit_setting(options: FuseOptions, pl_module: pl.LightningModule, world_size: int, ddp: bool = False) -> Setting:
+    """What the fit's plans are built from: its regions, its network, the compile arguments, the device, the
+    processes (``ddp``: several, under DDP)."""
     regions = resolve_regions(pl_module, options.targets, options.exclude)
     policy = RegionPolicy(verify=options.verify, recompile_limit=options.recompile_limit,
                           on_recompile_limit=options.on_recompile_limit)  # fmt: skip
     compile_options = CompileOptions(backend=options.backend, fullgraph=options.fullgraph, dynamic=options.dynamic,
                                      options=dict(options.options) if options.options else None)  # fmt: skip
     return Setting(regions, graph_target(pl_module), compile_options, pl_module.device, policy=policy,
-                   world_size=world_size, max_graphs=len(options.pad_buckets or [1]))  # fmt: skip
+                   world_size=world_size, ddp=ddp, max_graphs=len(options.pad_buckets or [1]))  # fmt: skip
 
 
 class Plan:
@@ -367,9 +377,9 @@ class UserCompiledGraph(Graph):
 
 
 def user_compiled_candidates(setting: Setting, modules: list[nn.Module]) -> list[Plan]:
-    """The plans for a network the user compiled before the fit: their compile as it is, then, on one CUDA device,
-    one CUDA graph over it, where every module they compiled lies within the graph's target (a compiled ancestor
-    would trace through the graph's dispatch).
+    """The plans for a network the user compiled before the fit: their compile as it is, then, where graphs run
+    (:attr:`Setting.cuda_graphs`), one CUDA graph over it, where every module they compiled lies within the graph's
+    target (a compiled ancestor would trace through the graph's dispatch).
 
     Example::
 
@@ -383,7 +393,7 @@ def user_compiled_candidates(setting: Setting, modules: list[nn.Module]) -> list
     """
     user = UserCompiled(modules)
     within = {id(module) for module in setting.target[1].modules()}
-    if setting.device.type != "cuda" or setting.world_size > 1 or any(id(m) not in within for m in modules):
+    if not setting.cuda_graphs or any(id(m) not in within for m in modules):
         return [user]
     return [user, UserCompiledGraph(setting, user)]
 
@@ -407,12 +417,12 @@ def user_compiled(root: nn.Module) -> list[nn.Module]:
 def candidates(setting: Setting) -> list[Plan]:
     """The plans worth measuring for this device and process count, most promising first (eager always first).
 
-    CUDA graphs need one process (gradients of several sync outside any graph) and a CUDA device. With several
-    processes ``compile`` is always measured: it is the one plan that also compiles what lies between and around
-    the regions (embeddings, the head, the loss), and no graph plan stands in for it there.
+    CUDA graphs need a CUDA device, and one process or DDP (:attr:`Setting.cuda_graphs`). With several processes
+    ``compile`` is always measured: it is the one plan that also compiles what lies between and around the regions
+    (embeddings, the head, the loss), and where no graph plan runs none stands in for it.
     """
     plans: list[Plan] = [Plan()]
-    graphs = setting.device.type == "cuda" and setting.world_size == 1
+    graphs = setting.cuda_graphs
     whole_is_regions = [r.module for r in setting.regions] == [setting.target[1]]
     if graphs:
         plans.append(Regions(setting, graph=True))
@@ -454,17 +464,18 @@ def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:
     """The one plan explicit settings ask for: the regions in ``mode``, with a graph unless it cannot or is off.
 
     Raises:
-        ValueError: If ``cuda_graph=True`` is asked for with several processes (DDP/FSDP).
+        ValueError: If ``cuda_graph=True`` is asked for with several processes other than DDP's (FSDP, say).
     """
-    if cuda_graph is True and setting.world_size > 1:
+    if cuda_graph is True and setting.world_size > 1 and not setting.ddp:
         raise ValueError(
-            f"cuda_graph=True runs in a single process, but this run has {setting.world_size} (DDP/FSDP). Use "
-            "cuda_graph='auto' (off in multi-process runs) or False."
+            f"cuda_graph=True runs in one process or under DDP, but this run has {setting.world_size} processes of "
+            "another strategy (FSDP gathers parameters inside the forward, which no graph holds). Use "
+            "cuda_graph='auto' (off there) or False."
         )
     compile_mode = None if mode in (AUTO, "default") else mode
     setting = replace(setting, options=replace(setting.options, mode=compile_mode))
     graph = (
-        setting.device.type == "cuda" and setting.world_size == 1 and cuda_graph is not False
+        setting.cuda_graphs and cuda_graph is not False
         and compile_mode not in GRAPHING_MODES
     )  # fmt: skip
     plan = Regions(setting, graph=graph) if setting.regions or graph else Plan()

@@ -54,8 +54,8 @@ SHAPE_STEPS = 3
 """Eager steps, at least, before the plan search: their network inputs tell whether the shapes vary."""
 
 
-def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size: int,
-              precision: Precision) -> FitState:  # fmt: skip
+def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size: int, precision: Precision,
+              ddp: bool = False) -> FitState:  # fmt: skip
     """A fit's state at its start: the candidates built, the timer and schedule ready, inputs being recorded.
     First, the private torch APIs FuseCallback needs are checked (an error names what this torch lacks).
 
@@ -64,9 +64,10 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
         pl_module: The LightningModule being fit.
         world_size: The number of processes.
         precision: The Trainer's precision plugin.
+        ddp: Whether the processes run DDP (its wrapper around the LightningModule): graph plans compete there.
     """
     compat.check_private_apis()
-    setting = fit_setting(options, pl_module, world_size)
+    setting = fit_setting(options, pl_module, world_size, ddp)
     fit = _with_candidates(options, setting, pl_module)
     start_measuring(fit, options, pl_module, str(precision.precision))
     fit.activation_step = max(fit.schedule.start_length, SHAPE_STEPS if fit.searching else 0)

@@ -37,6 +37,7 @@ if __name__ == "__main__":
         t.fit(task)
     (out / f"rank{t.global_rank}.json").write_text(json.dumps({
         "world_size": t.world_size,
+        "ddp": fuse.fit.setting.ddp,
         "losses": task.losses,
         "plan": fuse.plan.name,
         "trials": [(t.name, t.outcome) for t in fuse.decision.trials],

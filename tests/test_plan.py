@@ -38,9 +38,9 @@ from tests.toy import ToyTask
 CUDA = torch.device("cuda", 0)
 
 
-def setting_for(task, device=torch.device("cpu"), world_size=1):
+def setting_for(task, device=torch.device("cpu"), world_size=1, ddp=False):
     return Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"), device,
-                   world_size=world_size)  # fmt: skip
+                   world_size=world_size, ddp=ddp)  # fmt: skip
 
 
 def test_candidates_per_device_and_process_count():
@@ -49,11 +49,15 @@ def test_candidates_per_device_and_process_count():
     cuda = [p.name for p in candidates(setting_for(task, CUDA))]
     assert cuda == ["eager", "regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+trees", "regions",
                     "compile"]
-    several = {p.name: p for p in candidates(setting_for(task, CUDA, world_size=2))}
+    several = {p.name: p for p in candidates(setting_for(task, CUDA, world_size=2))}  # FSDP, say
     assert list(several) == ["eager", "regions", "compile"]
     # alone, regions faster than eager spare compiling the whole network; with several processes both are measured
     assert "regions" in candidates(setting_for(task))[-1].dominated_by
     assert several["compile"].dominated_by == ()
+    # under DDP the reducer all-reduces what autograd accumulates from a graph's backward: the graph plans compete
+    ddp = {p.name: p for p in candidates(setting_for(task, CUDA, world_size=2, ddp=True))}
+    assert list(ddp) == cuda and ddp["compile"].dominated_by == ()
+    assert [p.name for p in candidates(setting_for(task, world_size=2, ddp=True))] == ["eager", "regions", "compile"]
 
 
 def test_a_network_the_user_compiled_gets_a_graph_over_their_compile_on_one_gpu_only():
@@ -65,6 +69,7 @@ def test_a_network_the_user_compiled_gets_a_graph_over_their_compile_on_one_gpu_
     assert names(setting_for(task, CUDA), [net]) == ["user-compiled", "user-compiled+graph"]
     assert names(setting_for(task), [net]) == ["user-compiled"]
     assert names(setting_for(task, CUDA, world_size=2), [net]) == ["user-compiled"]
+    assert names(setting_for(task, CUDA, world_size=2, ddp=True), [net]) == ["user-compiled", "user-compiled+graph"]
     # the LightningModule compiled: its compiled call would trace through the graph's dispatch on the network
     assert names(setting_for(task, CUDA), [task]) == ["user-compiled"]
 
@@ -103,13 +108,15 @@ def test_whole_network_candidate_is_not_repeated_when_the_regions_are_the_whole_
     assert "regions+graph" in on_cuda["reduce-overhead"].dominated_by
 
 
-def test_explicit_settings_force_one_plan_and_refuse_a_graph_with_several_processes():
+def test_explicit_settings_force_one_plan_and_refuse_a_graph_with_several_processes_but_ddps():
     task = ToyTask()
     assert forced_plan(setting_for(task, CUDA), "default", "auto").name == "regions+graph"
     assert forced_plan(setting_for(task, CUDA), "reduce-overhead", "auto").name == "regions"
     assert forced_plan(setting_for(task), "auto", True).name == "regions"  # no CUDA device: no graph
-    with pytest.raises(ValueError, match="cuda_graph=True runs in a single process"):
+    with pytest.raises(ValueError, match="cuda_graph=True runs in one process or under DDP"):
         forced_plan(setting_for(task, CUDA, world_size=2), "auto", True)
+    assert forced_plan(setting_for(task, CUDA, world_size=2, ddp=True), "auto", True).name == "regions+graph"
+    assert forced_plan(setting_for(task, CUDA, world_size=2), "default", "auto").name == "regions"
 
 
 def test_the_plans_that_run_torchs_cudagraph_trees_are_those_in_a_graphing_mode_on_cuda():
