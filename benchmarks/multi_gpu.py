@@ -2,8 +2,9 @@
 
 Each (model, strategy, batch, variant) is one launch: Lightning starts the second process itself
 (``Trainer(devices=2, strategy="ddp"|"fsdp")``, FSDP with one unit per repeated block). ``batch_size`` is per
-rank; ``step_ms`` is rank 0's median step after the warmup. The networks run without dropout, so that every
-variant's losses can be held against eager's: ``loss_ranks`` is each rank's mean loss over the last steps,
+rank; ``step_ms`` is rank 0's median step after the warmup (``step_ms_q1``/``q3``: its quartiles). The networks run
+without dropout, so that every variant's losses can be held against eager's: ``loss_ranks`` is each rank's mean
+loss over the last steps,
 ``loss_curve`` rank 0's mean loss over each fifth of the fit. A ``fuse`` record adds what FuseCallback logged on
 rank zero for the last epoch: ``speedup_logged`` and each rank's GPU utilisation (``gpu_util_ranks``, %). On a
 machine with 2 GPUs:
@@ -25,8 +26,9 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
-FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "final_loss", "loss_ranks",
-          "loss_curve", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search", "error")  # fmt: skip
+FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
+          "final_loss", "loss_ranks", "loss_curve", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
+          "error")  # fmt: skip
 VARIANTS = models.VARIANTS
 CURVE_POINTS = 5
 """``loss_curve``: the fit's steps in this many blocks, each block's mean loss."""

@@ -1,5 +1,6 @@
 """Helpers for the reliability, resume, DDP, optimizer-graph, search and pattern tests: probes, a plan dropped on
-cue, a real compile-cache artifact, TensorBoard reads, an optimizer capture and trial timer faked on CPU."""
+cue, a real compile-cache artifact, TensorBoard reads, a network's and an optimizer's captures and a trial timer faked
+on CPU."""
 
 from __future__ import annotations
 
@@ -145,3 +146,32 @@ class FakeTimer:
         out = {kind: [self.times[kind]] * self.kinds.count(kind) for kind in self.times}
         self.kinds = []
         return out
+
+
+def grad_buffer_capture(flat, tensors, num_warmup_iters):
+    """As make_graphed_callables replays a backward: the parameters' gradients are written into the graph's own
+    buffers and handed to autograd detached, so that a parameter without a gradient keeps the buffer itself. The
+    forward scribbles over those buffers, as a forward's temporaries do where the two graphs' shared pool put a
+    gradient buffer in their memory (seen on an H100)."""
+    params = [p for p in flat.parameters() if p.requires_grad]
+    buffers = [torch.zeros_like(p) for p in params]
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            ctx.inputs = inputs[: len(tensors)]
+            for buffer in buffers:
+                buffer.fill_(1e6)  # the forward's temporaries
+            return tuple(out.detach() for out in flat(*ctx.inputs))
+
+        @staticmethod
+        def backward(ctx, *grad_outputs):
+            with torch.enable_grad():
+                outs = flat(*ctx.inputs)
+                pairs = [(out, grad) for out, grad in zip(outs, grad_outputs) if out.requires_grad]
+                grads = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
+            for buffer, grad in zip(buffers, grads):
+                buffer.copy_(grad)
+            return (None,) * len(tensors) + tuple(buffer.detach() for buffer in buffers)
+
+    return lambda *inputs: Replay.apply(*inputs, *params)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_fuse.optimizer_trial import BLOCK_STEPS, TRIAL_BLOCKS
@@ -73,3 +74,15 @@ def test_rank_zeros_trial_decides_both_ranks_optimizer_graphs(tmp_path):
         assert rank["replays"] > TRIAL_BLOCKS * BLOCK_STEPS + 10, rank  # the trial's replays, and every step after
         assert "kept at 0.80x" in rank["what_ran"]
     assert abs(ranks[0]["param_sum"] - ranks[1]["param_sum"]) < 1e-6, "both ranks updated alike"
+
+
+def test_ddp_all_reduces_the_gradients_a_graph_replay_hands_autograd_as_it_does_eager_ones(tmp_path):
+    """Under DDP a CUDA graph plan's capture is torch's ``make_graphed_callables`` (faked on CPU): its one autograd
+    node hands back every gradient, and DDP's reducer averages them across ranks, so the fit trains as eager DDP."""
+    ranks = run_ranks("ddp_graph_fit.py", tmp_path)
+    for rank in ranks:
+        assert rank["replays"] >= 4, rank  # 35 samples a rank: 2 full batches an epoch replay, the last runs eagerly
+        assert rank["losses"] == pytest.approx(rank["eager_losses"], rel=1e-5)
+        assert rank["max_diff_from_eager"] < 1e-6, rank
+    assert ranks[0]["losses"] != ranks[1]["losses"], "each rank trained on its own shard"
+    assert abs(ranks[0]["param_sum"] - ranks[1]["param_sum"]) < 1e-6, "the replays' gradients were averaged"

@@ -33,6 +33,7 @@ from lightning_fuse.plan import (
 )
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.replay import release_capture_graph
+from tests.faults import grad_buffer_capture
 from tests.toy import ToyTask
 
 CUDA = torch.device("cuda", 0)
@@ -236,35 +237,6 @@ def test_replays_never_write_into_the_batches_a_user_keeps_on_the_device():
     for i, loss in enumerate(losses):
         torch.testing.assert_close(loss, type(net).forward(net, data[i % 2])["loss"])
     graphed.uninstall()
-
-
-def grad_buffer_capture(flat, tensors, num_warmup_iters):
-    """As make_graphed_callables replays a backward: the parameters' gradients are written into the graph's own
-    buffers and handed to autograd detached, so that a parameter without a gradient keeps the buffer itself. The
-    forward scribbles over those buffers, as a forward's temporaries do where the two graphs' shared pool put a
-    gradient buffer in their memory (seen on an H100)."""
-    params = [p for p in flat.parameters() if p.requires_grad]
-    buffers = [torch.zeros_like(p) for p in params]
-
-    class Replay(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *inputs):
-            ctx.inputs = inputs[: len(tensors)]
-            for buffer in buffers:
-                buffer.fill_(1e6)  # the forward's temporaries
-            return tuple(out.detach() for out in flat(*ctx.inputs))
-
-        @staticmethod
-        def backward(ctx, *grad_outputs):
-            with torch.enable_grad():
-                outs = flat(*ctx.inputs)
-                pairs = [(out, grad) for out, grad in zip(outs, grad_outputs) if out.requires_grad]
-                grads = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
-            for buffer, grad in zip(buffers, grads):
-                buffer.copy_(grad)
-            return (None,) * len(tensors) + tuple(buffer.detach() for buffer in buffers)
-
-    return lambda *inputs: Replay.apply(*inputs, *params)
 
 
 @pytest.mark.parametrize("zero", ["accumulate", "in_place"])
