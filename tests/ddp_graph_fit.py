@@ -13,12 +13,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
+import lightning.pytorch as pl
+import torch
 
-from lightning_fuse.graphs import GraphedModule  # noqa: E402
-from tests.faults import grad_buffer_capture  # noqa: E402
-from tests.toy import RecordingTask, trainer  # noqa: E402
+from lightning_fuse.graphs import GraphedModule
+from tests.faults import grad_buffer_capture
+from tests.toy import RecordingTask, trainer
 
 
 class FakedGraph(pl.Callback):
