@@ -61,7 +61,7 @@ def test_candidates_per_device_and_process_count():
     assert [p.name for p in candidates(setting_for(task, world_size=2, ddp=True))] == ["eager", "regions", "compile"]
 
 
-def test_a_network_the_user_compiled_gets_a_graph_over_their_compile_on_one_gpu_only():
+def test_a_network_the_user_compiled_gets_a_graph_over_their_compile_where_graphs_run():
     task = ToyTask()
     net = graph_target(task)[1]
     net.compile(backend="eager")
