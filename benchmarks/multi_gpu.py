@@ -5,9 +5,9 @@ Each (model, strategy, batch, variant) is one launch: Lightning starts the secon
 rank; ``step_ms`` is rank 0's median step after the warmup (``step_ms_q1``/``q3``: its quartiles). The networks run
 without dropout, so that every variant's losses can be held against eager's: ``loss_ranks`` is each rank's mean
 loss over the last steps,
-``loss_curve`` rank 0's mean loss over each fifth of the fit. A ``fuse`` record adds what FuseCallback logged on
-rank zero for the last epoch: ``speedup_logged`` and each rank's GPU utilisation (``gpu_util_ranks``, %). On a
-machine with 2 GPUs:
+``loss_curve`` rank 0's mean loss over each fifth of the fit. The fit runs in :data:`EPOCHS` epochs, and a
+``fuse`` record adds what FuseCallback logged on rank zero for the last one, which holds no compile nor search:
+``speedup_logged`` and each rank's GPU utilisation (``gpu_util_ranks``, %). On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --smoke --models gpt --variants eager,fuse   # CPU: gloo, 2 processes
@@ -32,6 +32,8 @@ FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms",
 VARIANTS = models.VARIANTS
 CURVE_POINTS = 5
 """``loss_curve``: the fit's steps in this many blocks, each block's mean loss."""
+EPOCHS = 2
+"""The fit's epochs: FuseCallback's scalars are per epoch, and the first holds the compile and the search."""
 
 
 class RankLosses(pl.Callback):
@@ -73,7 +75,7 @@ def fuse_scalars(history: list[dict]) -> dict[str, Any]:
 
 def measure(spec: dict) -> dict:
     """One multi-process fit (this process is rank 0; Lightning re-runs this command for rank 1)."""
-    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"])
+    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"] // EPOCHS)
     without_dropout(task.model)
     strategy = spec["strategy"]
     if strategy == "fsdp":
