@@ -31,16 +31,17 @@ DISTINCT_BATCHES = 4
 
 
 class Batches(Dataset):
-    """``length`` ready batches cycling over a few random ones; :meth:`to` moves them all to a device."""
+    """``length`` ready batches cycling over a few random ones, from the ``shift``-th on (a data-parallel rank's
+    own); :meth:`to` moves them all to a device."""
 
-    def __init__(self, batches: list[Any], length: int) -> None:
-        self.batches, self.length = batches, length
+    def __init__(self, batches: list[Any], length: int, shift: int = 0) -> None:
+        self.batches, self.length, self.shift = batches, length, shift
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> Any:
-        return self.batches[index % len(self.batches)]
+        return self.batches[(index + self.shift) % len(self.batches)]
 
     def to(self, device: torch.device) -> None:
         move = partial(torch.utils._pytree.tree_map, lambda t: t.to(device) if isinstance(t, Tensor) else t)

@@ -2,9 +2,9 @@
 
 Each (model, strategy, batch, variant) is one launch: Lightning starts the second process itself
 (``Trainer(devices=2, strategy="ddp"|"fsdp")``, FSDP with one unit per repeated block). ``batch_size`` is per
-rank; ``step_ms`` is rank 0's median step after the warmup (``step_ms_q1``/``q3``: its quartiles). The networks run
-without dropout, so that every variant's losses can be held against eager's: ``loss_ranks`` is each rank's mean
-loss over the last steps,
+rank, and each rank trains on its own batch at every step; ``step_ms`` is rank 0's median step after the warmup
+(``step_ms_q1``/``q3``: its quartiles). The networks run without dropout, so that every variant's losses can be held
+against eager's: ``loss_ranks`` is each rank's mean loss over the last steps,
 ``loss_curve`` rank 0's mean loss over each fifth of the fit. The fit runs in :data:`EPOCHS` epochs, and a
 ``fuse`` record adds what FuseCallback logged on rank zero for the last one, which holds no compile nor search:
 ``speedup_logged`` and each rank's GPU utilisation (``gpu_util_ranks``, %). On a machine with 2 GPUs:
@@ -15,6 +15,7 @@ loss over the last steps,
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -76,6 +77,7 @@ def fuse_scalars(history: list[dict]) -> dict[str, Any]:
 def measure(spec: dict) -> dict:
     """One multi-process fit (this process is rank 0; Lightning re-runs this command for rank 1)."""
     task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"] // EPOCHS)
+    loader.dataset.shift = int(os.environ.get("LOCAL_RANK", "0"))  # each rank its own batch at every step
     without_dropout(task.model)
     strategy = spec["strategy"]
     if strategy == "fsdp":

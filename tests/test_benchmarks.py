@@ -298,6 +298,7 @@ def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
     _check([record], multi_gpu.FIELDS, 1)
     assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["step_ms"] > 0
     assert record["final_loss"] > 0
+    assert record["loss_ranks"][0] != record["loss_ranks"][1], "each rank trains on its own batches"
 
 
 def test_a_record_names_the_commit_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
