@@ -255,12 +255,12 @@ def regimes(args: Any, allowed: Sequence[str] = ()) -> list[tuple[str, int]]:
 
 
 def build(model: str, batch: int, smoke: bool, length: int, scheduler: bool = False, seed: int = 0,
-          fused: bool = True) -> tuple[Task, DataLoader]:  # fmt: skip
+          fused: bool = True, shift: int = 0) -> tuple[Task, DataLoader]:  # fmt: skip
     """The model's :class:`Task` (``scheduler``, ``fused``: as :class:`Task` takes them) and a loader of ``length``
-    batches (one epoch), from ``seed``."""
+    batches (one epoch), from ``seed``, starting at the ``shift``-th (:class:`Batches`)."""
     pl.seed_everything(seed, verbose=False)
     net, loss_fn, batches = MODELS[model][1](batch, smoke)
-    data = Batches(batches, length)
+    data = Batches(batches, length, shift)
     return Task(net, loss_fn, data, scheduler=scheduler, fused=fused), DataLoader(data, batch_size=None)
 
 

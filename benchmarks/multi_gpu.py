@@ -76,8 +76,9 @@ def fuse_scalars(history: list[dict]) -> dict[str, Any]:
 
 def measure(spec: dict) -> dict:
     """One multi-process fit (this process is rank 0; Lightning re-runs this command for rank 1)."""
-    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"] // EPOCHS)
-    loader.dataset.shift = int(os.environ.get("LOCAL_RANK", "0"))  # each rank its own batch at every step
+    rank = int(os.environ.get("LOCAL_RANK", "0"))  # set for rank 1 by Lightning's launcher before it runs this
+    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"] // EPOCHS,
+                                shift=rank)  # each rank its own batch at every step
     without_dropout(task.model)
     strategy = spec["strategy"]
     if strategy == "fsdp":

@@ -75,9 +75,14 @@ class Setting:
     """CUDA graphs a graph plan may capture, one per batch signature (one per bucket with ``pad_buckets``)."""
 
     @property
+    def processes_allow_graphs(self) -> bool:
+        """Whether the processes leave room for a CUDA graph over the network: one process, or DDP's (:attr:`ddp`)."""
+        return self.world_size == 1 or self.ddp
+
+    @property
     def cuda_graphs(self) -> bool:
-        """Whether a plan may capture CUDA graphs: on a CUDA device, in one process or under DDP."""
-        return self.device.type == "cuda" and (self.world_size == 1 or self.ddp)
+        """Whether a plan may capture CUDA graphs: on a CUDA device, where the processes allow them."""
+        return self.device.type == "cuda" and self.processes_allow_graphs
 
 
 def fit_setting(options: FuseOptions, pl_module: pl.LightningModule, world_size: int, ddp: bool = False) -> Setting:
@@ -466,7 +471,7 @@ def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:
     Raises:
         ValueError: If ``cuda_graph=True`` is asked for with several processes other than DDP's (FSDP, say).
     """
-    if cuda_graph is True and setting.world_size > 1 and not setting.ddp:
+    if cuda_graph is True and not setting.processes_allow_graphs:
         raise ValueError(
             f"cuda_graph=True runs in one process or under DDP, but this run has {setting.world_size} processes of "
             "another strategy (FSDP gathers parameters inside the forward, which no graph holds). Use "

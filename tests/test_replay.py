@@ -186,11 +186,8 @@ def test_the_generators_are_released_by_a_capture_that_succeeds_and_never_inside
         captures.append(cuda_graph)
         yield
 
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
+    fake_cuda(monkeypatch, graph, is_initialized=lambda: True, is_current_stream_capturing=lambda: True)
     monkeypatch.setattr(torch, "zeros", lambda *shape, device: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     replay.release_generators()
     assert captures == []  # the capture under way ends them itself; a second one would fail it
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
