@@ -3,21 +3,28 @@
 Each (model, strategy, batch, variant) is one launch: Lightning starts the second process itself
 (``Trainer(devices=2, strategy="ddp"|"fsdp")``, FSDP with one unit per repeated block). ``batch_size`` is per
 rank, and each rank trains on its own batch at every step; ``step_ms`` is rank 0's median step after the warmup
-(``step_ms_q1``/``q3``: its quartiles). The networks run without dropout, so that every variant's losses can be held
-against eager's: ``loss_ranks`` is each rank's mean loss over the last steps,
-``loss_curve`` rank 0's mean loss over each fifth of the fit. The fit runs in :data:`EPOCHS` epochs, and a
-``fuse`` record adds what FuseCallback logged on rank zero for the last one, which holds no compile nor search:
-``speedup_logged`` and each rank's GPU utilisation (``gpu_util_ranks``, %). On a machine with 2 GPUs:
+(``step_ms_q1``/``q3``: its quartiles). The fit runs in :data:`EPOCHS` epochs, and a ``fuse`` record adds what
+FuseCallback logged on rank zero for the last one, which holds no compile nor search: ``speedup_logged`` and each
+rank's GPU utilisation (``gpu_util_ranks``, %).
+
+The losses: the networks run without dropout, so that every variant's losses can be held against eager's.
+``loss_ranks`` is each rank's mean loss over the last steps, ``loss_curves`` each rank's mean loss over each tenth
+of the fit. The variant ``eager_fp32`` is eager in full precision (``32-true``): how far it lands from eager's
+``bf16-mixed`` losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's
+distance from eager is held to (``--losses`` prints both). On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
+    python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
     python benchmarks/multi_gpu.py --smoke --models gpt --variants eager,fuse   # CPU: gloo, 2 processes
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -28,11 +35,11 @@ from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
 FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
-          "final_loss", "loss_ranks", "loss_curve", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
+          "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
           "error")  # fmt: skip
-VARIANTS = models.VARIANTS
-CURVE_POINTS = 5
-"""``loss_curve``: the fit's steps in this many blocks, each block's mean loss."""
+VARIANTS = (*models.VARIANTS, "eager_fp32")
+CURVE_POINTS = 10
+"""``loss_curves``: the fit's steps in this many blocks, each block's mean loss."""
 EPOCHS = 2
 """The fit's epochs: FuseCallback's scalars are per epoch, and the first holds the compile and the search."""
 
@@ -43,7 +50,7 @@ class RankLosses(pl.Callback):
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
         self.ranks: list[float] = []
-        self.curve: list[float] = []
+        self.curves: list[list[float]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
@@ -56,8 +63,10 @@ class RankLosses(pl.Callback):
             return
         losses = torch.stack(self.losses)
         last = losses[-harness.LOSS_WINDOW :].mean()
-        self.ranks = trainer.strategy.all_gather(last).flatten().tolist()  # a collective: every rank calls it
-        self.curve = [float(block.mean()) for block in losses.tensor_split(min(CURVE_POINTS, len(losses)))]
+        curve = torch.stack([block.mean() for block in losses.tensor_split(min(CURVE_POINTS, len(losses)))])
+        gather = trainer.strategy.all_gather  # a collective: every rank calls it
+        self.ranks = gather(last).flatten().tolist()
+        self.curves = gather(curve).reshape(-1, len(curve)).tolist()
 
 
 def without_dropout(net: nn.Module) -> None:
@@ -85,22 +94,69 @@ def measure(spec: dict) -> dict:
         blocks = {type(block) for block in models.repeated_blocks(task.model)} - {type(task.model)}
         strategy = FSDPStrategy(auto_wrap_policy=blocks or None)
     started = time.perf_counter()
-    callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"])
+    full_precision = spec["variant"] == "eager_fp32"
+    variant = "eager" if full_precision else spec["variant"]
+    callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"])
     losses = RankLosses()
     device = {"accelerator": "cpu"} if spec["smoke"] else {}  # gloo on CPU
+    if full_precision:
+        device["precision"] = "32-true"
     result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=[*callbacks, losses],
                          started=started, devices=spec["world_size"], strategy=strategy,
                          use_distributed_sampler=False, **device)  # fmt: skip
     info = models.fuse_info(callbacks)
     scalars = fuse_scalars(info["history"]) if spec["variant"] == "fuse" else {}
-    return {**result, **info, **scalars, "loss_ranks": losses.ranks or None, "loss_curve": losses.curve or None}
+    return {**result, **info, **scalars, "loss_ranks": losses.ranks or None, "loss_curves": losses.curves or None}
+
+
+def loss_gaps(records: list[dict]) -> str:
+    """A Markdown table: for each case (model, strategy, batch) and variant, the greatest relative distance between
+    its ``loss_curves`` and eager's (every rank, every block), from each key's newest record that has curves.
+
+    A variant is within bf16's tolerance where its gap is at most ``eager_fp32``'s.
+
+    Example::
+
+        >>> rows = [{"model": "m", "strategy": "ddp", "batch_size": 8, "variant": v, "loss_curves": [[c, c]]}
+        ...         for v, c in (("eager", 2.0), ("fuse", 2.02), ("eager_fp32", 2.1))]
+        >>> print(loss_gaps(rows).splitlines()[-1])
+        | m | ddp | 8 | 0.05 | 0.01 (within) |
+    """
+    newest: dict[tuple, dict] = {}
+    for record in records:
+        if record.get("loss_curves"):
+            newest[tuple(record.get(k) for k in ("model", "strategy", "batch_size", "variant"))] = record
+    cases = sorted({key[:3] for key in newest}, key=str)
+    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[3] == v for key in newest)]
+    header = ["model", "strategy", "batch", "eager_fp32", *others]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for case in cases:
+        eager = newest.get((*case, "eager"))
+        if eager is None:
+            continue
+        gap = {v: _gap(newest[(*case, v)]["loss_curves"], eager["loss_curves"]) for v in ["eager_fp32", *others]
+               if (*case, v) in newest}  # fmt: skip
+        tolerance = gap.get("eager_fp32")
+        cells = [f"{gap[v]:.2f}" + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
+                 if v in gap else "-" for v in others]  # fmt: skip
+        lines.append(f"| {' | '.join(map(str, case))} | {'-' if tolerance is None else f'{tolerance:.2f}'} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _gap(curves: list[list[float]], eager: list[list[float]]) -> float:
+    return max(abs(a / b - 1) for rank, ref in zip(curves, eager) for a, b in zip(rank, ref))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "multi_gpu.jsonl", models="gpt2,resnet50", batches="small,large", variants=VARIANTS,
                        steps=200, warmup=30)  # fmt: skip
     p.add_argument("--strategies", default="ddp,fsdp")
+    p.add_argument("--losses", type=Path, help="print each variant's loss gap to eager from these records, and stop")
     args = p.parse_args(argv)
+    if args.losses:
+        print(loss_gaps([json.loads(line) for line in args.losses.read_text().splitlines() if line.strip()]))
+        return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "strategy": strategy, "world_size": 2, "batch_size": batch, "variant": variant,
                 "steps": steps, "warmup": warmup, "smoke": args.smoke}

@@ -28,7 +28,7 @@ import models  # noqa: E402
 ENV = ["device", "torch", "run_started", "command", "commit"]
 CLI = {
     "zoo": ["--models", "gpt", "--batches", "small", "--variants", "eager"],
-    "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small", "--variants", "eager"],
+    "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small", "--variants", "eager_fp32"],
 }
 
 
@@ -299,6 +299,24 @@ def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
     assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["step_ms"] > 0
     assert record["final_loss"] > 0
     assert record["loss_ranks"][0] != record["loss_ranks"][1], "each rank trains on its own batches"
+    curves = record["loss_curves"]
+    assert len(curves) == 2 and len(curves[0]) == len(curves[1]) > 1, "every rank's curve, gathered on rank zero"
+    assert curves[0][-1] == pytest.approx(record["loss_ranks"][0], rel=0.5)
+
+
+def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> None:
+    import multi_gpu
+
+    def record(variant: str, rank0: list[float], rank1: list[float], batch: int = 8) -> dict:
+        return {"model": "gpt", "strategy": "ddp", "batch_size": batch, "variant": variant,
+                "loss_curves": [rank0, rank1]}  # fmt: skip
+
+    records = [record("eager", [4.0, 2.0], [4.0, 3.0]), record("eager_fp32", [4.0, 2.1], [4.0, 3.0]),
+               record("fuse", [4.0, 2.0], [4.0, 3.3]), record("compile", [4.04, 2.0], [4.0, 3.0]),
+               record("fuse", [1.0, 1.0], [1.0, 1.0], batch=32), {"variant": "eager", "loss_curves": None}]  # fmt: skip
+    table = multi_gpu.loss_gaps(records).splitlines()
+    assert table[0] == "| model | strategy | batch | eager_fp32 | compile | fuse |"
+    assert table[2:] == ["| gpt | ddp | 8 | 0.05 | 0.01 (within) | 0.10 (beyond) |"], "rank 1's gap counts too"
 
 
 def test_a_record_names_the_commit_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
