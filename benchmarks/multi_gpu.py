@@ -9,7 +9,8 @@ rank's GPU utilisation (``gpu_util_ranks``, %).
 
 The losses: the networks run without dropout, so that every variant's losses can be held against eager's.
 ``loss_ranks`` is each rank's mean loss over the last steps, ``loss_curves`` each rank's mean loss over each tenth
-of the fit. The variant ``eager_fp32`` is eager in full precision (``32-true``): how far it lands from eager's
+of the fit. The variant ``fuse_idle`` is ``FuseCallback(targets=[])``: the callback's own cost, as it compiles
+nothing; ``eager_fp32`` is eager in full precision (``32-true``): how far it lands from eager's
 ``bf16-mixed`` losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's
 distance from eager is held to (``--losses`` prints both). On a machine with 2 GPUs:
 
@@ -37,7 +38,9 @@ from torch import nn
 FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
           "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
           "error")  # fmt: skip
-VARIANTS = (*models.VARIANTS, "eager_fp32")
+DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "fuse_idle": ("fuse", {}, {"targets": []})}
+"""Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
+VARIANTS = (*models.VARIANTS, *DERIVED)
 CURVE_POINTS = 10
 """``loss_curves``: the fit's steps in this many blocks, each block's mean loss."""
 EPOCHS = 2
@@ -94,18 +97,15 @@ def measure(spec: dict) -> dict:
         blocks = {type(block) for block in models.repeated_blocks(task.model)} - {type(task.model)}
         strategy = FSDPStrategy(auto_wrap_policy=blocks or None)
     started = time.perf_counter()
-    full_precision = spec["variant"] == "eager_fp32"
-    variant = "eager" if full_precision else spec["variant"]
-    callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"])
+    variant, trainer_kw, fuse_kw = DERIVED.get(spec["variant"], (spec["variant"], {}, {}))
+    callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
     losses = RankLosses()
     device = {"accelerator": "cpu"} if spec["smoke"] else {}  # gloo on CPU
-    if full_precision:
-        device["precision"] = "32-true"
     result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=[*callbacks, losses],
                          started=started, devices=spec["world_size"], strategy=strategy,
-                         use_distributed_sampler=False, **device)  # fmt: skip
+                         use_distributed_sampler=False, **device, **trainer_kw)  # fmt: skip
     info = models.fuse_info(callbacks)
-    scalars = fuse_scalars(info["history"]) if spec["variant"] == "fuse" else {}
+    scalars = fuse_scalars(info["history"]) if variant == "fuse" else {}
     return {**result, **info, **scalars, "loss_ranks": losses.ranks or None, "loss_curves": losses.curves or None}
 
 

@@ -28,7 +28,8 @@ import models  # noqa: E402
 ENV = ["device", "torch", "run_started", "command", "commit"]
 CLI = {
     "zoo": ["--models", "gpt", "--batches", "small", "--variants", "eager"],
-    "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small", "--variants", "eager_fp32"],
+    "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small",
+                  "--variants", "eager_fp32,fuse_idle"],
 }
 
 
@@ -294,14 +295,19 @@ def test_zoo_in_a_child_process(cli_runs: dict) -> None:
 def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
     import multi_gpu
 
-    (record,) = _records(_finished(cli_runs["multi_gpu"]))
-    _check([record], multi_gpu.FIELDS, 1)
-    assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["step_ms"] > 0
-    assert record["final_loss"] > 0
-    assert record["loss_ranks"][0] != record["loss_ranks"][1], "each rank trains on its own batches"
-    curves = record["loss_curves"]
-    assert len(curves) == 2 and len(curves[0]) == len(curves[1]) > 1, "every rank's curve, gathered on rank zero"
-    assert curves[0][-1] == pytest.approx(record["loss_ranks"][0], rel=0.5)
+    records = _records(_finished(cli_runs["multi_gpu"]))
+    _check(records, multi_gpu.FIELDS, 2)
+    for record in records:
+        assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["step_ms"] > 0
+        assert record["final_loss"] > 0
+        assert record["loss_ranks"][0] != record["loss_ranks"][1], "each rank trains on its own batches"
+        curves = record["loss_curves"]
+        assert len(curves) == 2 and len(curves[0]) == len(curves[1]) > 1, "every rank's curve, gathered on rank zero"
+        assert curves[0][-1] == pytest.approx(record["loss_ranks"][0], rel=0.5)
+    full_precision, idle = records
+    assert full_precision["variant"] == "eager_fp32" and full_precision["plan"] is None
+    assert idle["variant"] == "fuse_idle" and idle["plan"] == "eager", "the callback ran, and compiled nothing"
+    assert idle["loss_curves"] == full_precision["loss_curves"], "on CPU both are eager in full precision"
 
 
 def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> None:
