@@ -9,10 +9,11 @@ rank's GPU utilisation (``gpu_util_ranks``, %).
 
 The losses: the networks run without dropout, so that every variant's losses can be held against eager's.
 ``loss_ranks`` is each rank's mean loss over the last steps, ``loss_curves`` each rank's mean loss over each tenth
-of the fit. The variant ``fuse_idle`` is ``FuseCallback(targets=[])``: the callback's own cost, as it compiles
-nothing; ``eager_fp32`` is eager in full precision (``32-true``): how far it lands from eager's
-``bf16-mixed`` losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's
-distance from eager is held to (``--losses`` prints both). On a machine with 2 GPUs:
+of the fit. ``eager_fp32`` is eager in full precision (``32-true``): how far it lands from eager's ``bf16-mixed``
+losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's distance from
+eager is held to (``--losses`` prints both). The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
+callback's own cost as it compiles nothing; ``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the
+network's CUDA graph or the optimizer's, to find which piece moves the losses or the time. On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
@@ -38,7 +39,9 @@ from torch import nn
 FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
           "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
           "error")  # fmt: skip
-DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "fuse_idle": ("fuse", {}, {"targets": []})}
+DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "fuse_idle": ("fuse", {}, {"targets": []}),
+           "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
+           "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
 CURVE_POINTS = 10

@@ -310,6 +310,17 @@ def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
     assert idle["loss_curves"] == full_precision["loss_curves"], "on CPU both are eager in full precision"
 
 
+def test_multi_gpus_own_variants_run_a_variant_of_the_zoo_with_settings_fuse_accepts() -> None:
+    import multi_gpu
+
+    from lightning_fuse.options import FuseOptions
+
+    for name, (variant, trainer_kw, fuse_kw) in multi_gpu.DERIVED.items():
+        assert name in multi_gpu.VARIANTS and variant in models.VARIANTS
+        assert set(trainer_kw) <= {"precision"}
+        FuseOptions(**fuse_kw)  # raises on a setting FuseCallback refuses
+
+
 def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> None:
     import multi_gpu
 
