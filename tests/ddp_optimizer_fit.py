@@ -3,7 +3,8 @@ writes what became of its optimizer graph to ``OUT/rank<N>.json``.
 
 Run by tests/test_ddp.py as ``python tests/ddp_optimizer_fit.py OUT``. The ranks' trials are made to measure apart:
 rank zero's replay 0.8x of the eager update's whole step (alone, it keeps the graph), rank 1's 1.0x (alone, it would
-drop it), so the test can check that rank zero's word decides both. Lightning's DDP launcher starts rank 1 by running
+drop it), so the test can check that rank zero's word decides both. The same fit without FuseCallback follows, so
+the test can check that the replayed updates train as eager DDP. Lightning's DDP launcher starts rank 1 by running
 this same command again, so everything a rank needs comes from the command line.
 """
 
@@ -45,6 +46,9 @@ if __name__ == "__main__":
     t = trainer([fuse, FakeOptimizerCapture(), TrialTimesByRank()], strategy="ddp", devices=2, max_epochs=1,
                 limit_val_batches=0, num_sanity_val_steps=0)  # fmt: skip
     t.fit(task)
+    torch.manual_seed(0)
+    eager = FusedAdamWTask(samples=560, batch_size=4)
+    trainer([], strategy="ddp", devices=2, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(eager)
     (graph,) = fuse.fit.optimizer_graphs
     (out / f"rank{t.global_rank}.json").write_text(json.dumps({
         "steps": len(task.losses),
@@ -55,4 +59,7 @@ if __name__ == "__main__":
         "replays": graph.replays,
         "what_ran": fuse.fit.what_ran(),
         "param_sum": sum(p.detach().double().sum().item() for p in task.parameters()),
+        "losses": task.losses,
+        "eager_losses": eager.losses,
+        "max_diff_from_eager": max((a - b).abs().max().item() for a, b in zip(task.parameters(), eager.parameters())),
     }))  # fmt: skip

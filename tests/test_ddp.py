@@ -63,9 +63,9 @@ def test_two_process_ddp_fit_runs_one_plan_on_both_ranks_logs_once_and_keeps_the
     assert torch.compiler.load_cache_artifacts(artifacts.read_bytes()) is not None
 
 
-def test_rank_zeros_trial_decides_both_ranks_optimizer_graphs(tmp_path):
+def test_rank_zeros_trial_decides_both_ranks_optimizer_graphs_which_train_as_eager_ddp(tmp_path):
     """Rank zero's trial measures 0.8x (keep), rank 1's 1.0x (alone, it would drop): both keep, on rank zero's word,
-    and update alike."""
+    update alike, and train as eager DDP (the capture faked on CPU)."""
     ranks = run_ranks("ddp_optimizer_fit.py", tmp_path)
     assert [rank["measured"] for rank in ranks] == [0.8, 1.0]
     for rank in ranks:
@@ -74,6 +74,10 @@ def test_rank_zeros_trial_decides_both_ranks_optimizer_graphs(tmp_path):
         assert rank["replays"] > TRIAL_BLOCKS * BLOCK_STEPS + 10, rank  # the trial's replays, and every step after
         assert "kept at 0.80x" in rank["what_ran"]
     assert abs(ranks[0]["param_sum"] - ranks[1]["param_sum"]) < 1e-6, "both ranks updated alike"
+    for rank in ranks:  # and as eager DDP does, each rank on its own shard
+        assert rank["losses"] == pytest.approx(rank["eager_losses"], rel=1e-4)
+        assert rank["max_diff_from_eager"] < 1e-5, rank
+    assert ranks[0]["losses"] != ranks[1]["losses"], "each rank trained on its own shard"
 
 
 def test_ddp_all_reduces_the_gradients_a_graph_replay_hands_autograd_as_it_does_eager_ones(tmp_path):
