@@ -13,7 +13,8 @@ of the fit. ``eager_fp32`` is eager in full precision (``32-true``): how far it 
 losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's distance from
 eager is held to (``--losses`` prints both). The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
 callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its NVML sampler);
-``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, to find
+``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, and
+``fuse_forced_graph`` forces the whole network compiled under one graph without a search, to find
 which piece moves the losses or the time. On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
@@ -43,7 +44,8 @@ FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms",
 DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "fuse_idle": ("fuse", {}, {"targets": []}),
            "fuse_idle_unsampled": ("fuse", {}, {"targets": [], "gpu_sample_hz": 0}),
            "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
-           "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False})}  # fmt: skip
+           "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False}),
+           "fuse_forced_graph": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
 CURVE_POINTS = 10
