@@ -40,7 +40,8 @@ from lightning_fuse.timing import SKIPPED, StepTimer  # noqa: E402
 
 RECORD = "@record "
 """Prefix of the child's result line on stdout (libraries print there too)."""
-KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "epoch_steps", "optimizer", "variant")
+KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "epoch_steps", "optimizer", "seed",
+        "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
 ENV = ("device", "torch", "run_started", "command", "commit")
 LOSS_WINDOW = 10

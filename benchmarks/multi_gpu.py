@@ -11,11 +11,16 @@ The losses: the networks run without dropout, so that every variant's losses can
 ``loss_ranks`` is each rank's mean loss over the last steps, ``loss_curves`` each rank's mean loss over each tenth
 of the fit. ``eager_fp32`` is eager in full precision (``32-true``): how far it lands from eager's ``bf16-mixed``
 losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's distance from
-eager is held to (``--losses`` prints both). The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
+eager is held to (``--losses`` prints both). ``eager_deterministic`` is eager with torch's deterministic kernels
+(``Trainer(deterministic="warn")``): another correct path through the same fit, to tell how far a training
+trajectory alone moves when only the kernels' rounding changes. ``--seed`` starts the models and batches from
+another seed (a record's ``seed``; ``--losses`` holds each seed against its own eager), so that one trajectory
+is not taken for a rule. The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
 callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its NVML sampler);
 ``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, and
-``fuse_forced_graph`` forces the whole network compiled under one graph without a search, to find
-which piece moves the losses or the time. On a machine with 2 GPUs:
+``fuse_forced_graph`` forces the whole network compiled under one graph without a search
+(``fuse_forced_graph_noref``: and without eager reference steps), to find which piece moves the losses or the
+time. On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
@@ -38,14 +43,17 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
-FIELDS = ("model", "strategy", "world_size", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
+FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
           "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
           "error")  # fmt: skip
-DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "fuse_idle": ("fuse", {}, {"targets": []}),
+DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
+           "eager_deterministic": ("eager", {"deterministic": "warn"}, {}), "fuse_idle": ("fuse", {}, {"targets": []}),
            "fuse_idle_unsampled": ("fuse", {}, {"targets": [], "gpu_sample_hz": 0}),
            "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
            "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False}),
-           "fuse_forced_graph": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True})}  # fmt: skip
+           "fuse_forced_graph": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True}),
+           "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
+                                                    "eager_steps": 0})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
 CURVE_POINTS = 10
@@ -97,7 +105,7 @@ def measure(spec: dict) -> dict:
     """One multi-process fit (this process is rank 0; Lightning re-runs this command for rank 1)."""
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set for rank 1 by Lightning's launcher before it runs this
     task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"] // EPOCHS,
-                                shift=rank)  # each rank its own batch at every step
+                                seed=spec.get("seed") or 0, shift=rank)  # each rank its own batch at every step
     without_dropout(task.model)
     strategy = spec["strategy"]
     if strategy == "fsdp":
@@ -117,8 +125,8 @@ def measure(spec: dict) -> dict:
 
 
 def loss_gaps(records: list[dict]) -> str:
-    """A Markdown table: for each case (model, strategy, batch) and variant, the greatest relative distance between
-    its ``loss_curves`` and eager's (every rank, every block), from each key's newest record that has curves.
+    """A Markdown table: for each case (model, strategy, batch, seed) and variant, the greatest relative distance
+    between its ``loss_curves`` and eager's (every rank, every block), from each key's newest record that has curves.
 
     A variant is within bf16's tolerance where its gap is at most ``eager_fp32``'s.
 
@@ -127,15 +135,16 @@ def loss_gaps(records: list[dict]) -> str:
         >>> rows = [{"model": "m", "strategy": "ddp", "batch_size": 8, "variant": v, "loss_curves": [[c, c]]}
         ...         for v, c in (("eager", 2.0), ("fuse", 2.02), ("eager_fp32", 2.1))]
         >>> print(loss_gaps(rows).splitlines()[-1])
-        | m | ddp | 8 | 0.05 | 0.01 (within) |
+        | m | ddp | 8 | 0 | 0.05 | 0.01 (within) |
     """
     newest: dict[tuple, dict] = {}
     for record in records:
         if record.get("loss_curves"):
-            newest[tuple(record.get(k) for k in ("model", "strategy", "batch_size", "variant"))] = record
-    cases = sorted({key[:3] for key in newest}, key=str)
-    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[3] == v for key in newest)]
-    header = ["model", "strategy", "batch", "eager_fp32", *others]
+            case = (*(record.get(k) for k in ("model", "strategy", "batch_size")), record.get("seed") or 0)
+            newest[(*case, record.get("variant"))] = record
+    cases = sorted({key[:4] for key in newest}, key=str)
+    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[4] == v for key in newest)]
+    header = ["model", "strategy", "batch", "seed", "eager_fp32", *others]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for case in cases:
         eager = newest.get((*case, "eager"))
@@ -160,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
                        steps=200, warmup=30)  # fmt: skip
     p.add_argument("--strategies", default="ddp,fsdp")
     p.add_argument("--losses", type=Path, help="print each variant's loss gap to eager from these records, and stop")
+    p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
     args = p.parse_args(argv)
     if args.losses:
         print(loss_gaps([json.loads(line) for line in args.losses.read_text().splitlines() if line.strip()]))
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "strategy": strategy, "world_size": 2, "batch_size": batch, "variant": variant,
-                "steps": steps, "warmup": warmup, "smoke": args.smoke}
+                "steps": steps, "warmup": warmup, "smoke": args.smoke, **({"seed": args.seed} if args.seed else {})}
                for variant in harness.split(args.variants, VARIANTS)]
               for model, batch in models.regimes(args) for strategy in harness.split(args.strategies, ("ddp", "fsdp"))]
     return harness.run(args, "multi_gpu.py", measure, FIELDS, groups)

@@ -29,7 +29,7 @@ ENV = ["device", "torch", "run_started", "command", "commit"]
 CLI = {
     "zoo": ["--models", "gpt", "--batches", "small", "--variants", "eager"],
     "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small",
-                  "--variants", "eager_fp32,fuse_idle"],
+                  "--variants", "eager_fp32,fuse_idle", "--seed", "3"],
 }
 
 
@@ -299,6 +299,7 @@ def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
     _check(records, multi_gpu.FIELDS, 2)
     for record in records:
         assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["step_ms"] > 0
+        assert record["seed"] == 3, "the record names the initialisation and batches it ran"
         assert record["final_loss"] > 0
         assert record["loss_ranks"][0] != record["loss_ranks"][1], "each rank trains on its own batches"
         curves = record["loss_curves"]
@@ -317,23 +318,25 @@ def test_multi_gpus_own_variants_run_a_variant_of_the_zoo_with_settings_fuse_acc
 
     for name, (variant, trainer_kw, fuse_kw) in multi_gpu.DERIVED.items():
         assert name in multi_gpu.VARIANTS and variant in models.VARIANTS
-        assert set(trainer_kw) <= {"precision"}
+        assert set(trainer_kw) <= {"precision", "deterministic"}
         FuseOptions(**fuse_kw)  # raises on a setting FuseCallback refuses
 
 
 def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> None:
     import multi_gpu
 
-    def record(variant: str, rank0: list[float], rank1: list[float], batch: int = 8) -> dict:
-        return {"model": "gpt", "strategy": "ddp", "batch_size": batch, "variant": variant,
+    def record(variant: str, rank0: list[float], rank1: list[float], batch: int = 8, seed: int | None = None) -> dict:
+        return {"model": "gpt", "strategy": "ddp", "batch_size": batch, "seed": seed, "variant": variant,
                 "loss_curves": [rank0, rank1]}  # fmt: skip
 
     records = [record("eager", [4.0, 2.0], [4.0, 3.0]), record("eager_fp32", [4.0, 2.1], [4.0, 3.0]),
                record("fuse", [4.0, 2.0], [4.0, 3.3]), record("compile", [4.04, 2.0], [4.0, 3.0]),
-               record("fuse", [1.0, 1.0], [1.0, 1.0], batch=32), {"variant": "eager", "loss_curves": None}]  # fmt: skip
+               record("fuse", [1.0, 1.0], [1.0, 1.0], batch=32), {"variant": "eager", "loss_curves": None},
+               record("eager", [4.0, 1.0], [4.0, 1.0], seed=2), record("fuse", [4.0, 1.5], [4.0, 1.0], seed=2)]
     table = multi_gpu.loss_gaps(records).splitlines()
-    assert table[0] == "| model | strategy | batch | eager_fp32 | compile | fuse |"
-    assert table[2:] == ["| gpt | ddp | 8 | 0.05 | 0.01 (within) | 0.10 (beyond) |"], "rank 1's gap counts too"
+    assert table[0] == "| model | strategy | batch | seed | eager_fp32 | compile | fuse |"
+    assert table[2:] == ["| gpt | ddp | 8 | 0 | 0.05 | 0.01 (within) | 0.10 (beyond) |",
+                         "| gpt | ddp | 8 | 2 | - | - | 0.50 |"], "rank 1's gap counts; each seed has its own eager"
 
 
 def test_a_record_names_the_commit_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
