@@ -19,8 +19,8 @@ is not taken for a rule. The variant ``fuse_idle`` is ``FuseCallback(targets=[])
 callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its NVML sampler);
 ``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, and
 ``fuse_forced_graph`` forces the whole network compiled under one graph without a search
-(``fuse_forced_graph_noref``: and without eager reference steps), to find which piece moves the losses or the
-time. On a machine with 2 GPUs:
+(``fuse_forced_graph_noref``: and without eager reference steps; ``fuse_forced_compile``: the same schedule with
+no graph), to find which piece moves the losses or the time. On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
@@ -52,6 +52,7 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
            "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
            "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False}),
            "fuse_forced_graph": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True}),
+           "fuse_forced_compile": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False}),
            "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
                                                     "eager_steps": 0})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
