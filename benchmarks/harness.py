@@ -284,11 +284,16 @@ def fit(task: pl.LightningModule, loader: Any, *, steps: int, warmup: int, callb
     return {**clock.result(), "wall_s": wall_s, "peak_gb": peak_gb, "error": error}
 
 
+def read_records(path: Path | str) -> list[dict]:
+    """The records of a results file, one JSON object a line (blank lines skipped)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def table(paths: Sequence[Path]) -> str:
     """One Markdown table per file: each key's newest run (its repeats pooled), then the machines and commands."""
     parts = []
     for path in paths:
-        records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        records = read_records(path)
         keys = [key for key in KEYS if any(key in r for r in records)]
         newest: dict[tuple, list[dict]] = {}
         for record in records:

@@ -29,7 +29,6 @@ no graph), to find which piece moves the losses or the time. On a machine with 2
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
     args = p.parse_args(argv)
     if args.losses:
-        print(loss_gaps([json.loads(line) for line in args.losses.read_text().splitlines() if line.strip()]))
+        print(loss_gaps(harness.read_records(args.losses)))
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "strategy": strategy, "world_size": 2, "batch_size": batch, "variant": variant,
