@@ -18,7 +18,7 @@ import torch
 
 from lightning_fuse.graphs import GraphedModule
 from tests.faults import grad_buffer_capture
-from tests.toy import RecordingTask, trainer
+from tests.toy import RecordingTask, max_param_diff, param_sum, trainer
 
 
 class FakedGraph(pl.Callback):
@@ -53,7 +53,6 @@ if __name__ == "__main__":
         "replays": faked.graphed.replays,
         "losses": graphed.losses,
         "eager_losses": eager.losses,
-        "param_sum": sum(p.detach().double().sum().item() for p in graphed.parameters()),
-        "max_diff_from_eager": max((a - b).abs().max().item() for a, b in zip(graphed.parameters(),
-                                                                                eager.parameters())),
+        "param_sum": param_sum(graphed),
+        "max_diff_from_eager": max_param_diff(graphed, eager),
     }))  # fmt: skip

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_fuse import FuseCallback
 from tests.faults import FakeOptimizerCapture, FakeTimer
-from tests.toy import RecordingTask, trainer
+from tests.toy import RecordingTask, max_param_diff, param_sum, trainer
 
 
 class FusedAdamWTask(RecordingTask):
@@ -58,8 +58,8 @@ if __name__ == "__main__":
         "ratio": graph.trial.ratio,
         "replays": graph.replays,
         "what_ran": fuse.fit.what_ran(),
-        "param_sum": sum(p.detach().double().sum().item() for p in task.parameters()),
+        "param_sum": param_sum(task),
         "losses": task.losses,
         "eager_losses": eager.losses,
-        "max_diff_from_eager": max((a - b).abs().max().item() for a, b in zip(task.parameters(), eager.parameters())),
+        "max_diff_from_eager": max_param_diff(task, eager),
     }))  # fmt: skip

@@ -79,6 +79,16 @@ def trainer(callbacks=(), **kwargs) -> pl.Trainer:
     return pl.Trainer(callbacks=list(callbacks), **defaults)
 
 
+def param_sum(module: nn.Module) -> float:
+    """The sum of every parameter, in float64: equal on ranks that updated alike."""
+    return sum(p.detach().double().sum().item() for p in module.parameters())
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    """The greatest difference between the two modules' parameters, element by element."""
+    return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
 class RecordingTask(ToyTask):
     """ToyTask that records every training loss, and can raise ``fail_with`` at training step ``fail_at``.
 
