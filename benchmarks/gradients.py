@@ -111,7 +111,7 @@ class GradientCheck(pl.Callback):
         eager = self._eager_gradients(pl_module, params, trainer.precision_plugin.forward_context())
         errors, eager_errors = relative_errors(used, reference), relative_errors(eager, reference)
         self.rows.append({"step": trainer.global_step, "err": statistics.median(errors),
-                          "eager_err": statistics.median(eager_errors), "worst": names[errors.index(max(errors))]})
+                          "eager_err": statistics.median(eager_errors), "worst": names[errors.index(max(errors))]})  # fmt: skip
 
     def _eager_gradients(self, pl_module: pl.LightningModule, params: Sequence[nn.Parameter],
                          context: AbstractContextManager) -> list[Tensor | None]:  # fmt: skip
@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = [[{"model": model, "strategy": "ddp" if args.world_size > 1 else None, "world_size": args.world_size,
                 "batch_size": batch, "variant": variant, "steps": steps, "every": args.check_every,
                 "smoke": args.smoke, **({"seed": args.seed} if args.seed else {})}
-               for variant in harness.split(args.variants, VARIANTS)] for model, batch in models.regimes(args)]
+               for variant in harness.split(args.variants, VARIANTS)] for model, batch in models.regimes(args)]  # fmt: skip
     return harness.run(args, "gradients.py", measure, FIELDS, groups)
 
 
