@@ -41,7 +41,8 @@ from multi_gpu import DERIVED, VARIANTS, without_dropout
 from torch import Tensor, nn
 
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "variant", "grad_err", "eager_grad_err",
-          "grad_err_ratio", "within", "checked", "worst", "step_errors", "final_loss", "plan", "ran", "error")  # fmt: skip
+          "grad_err_ratio", "within", "checked", "worst", "step_errors", "final_loss", "plan", "ran",
+          "error")  # fmt: skip
 WITHIN_RATIO = 2.0
 """A variant's step error may be up to this many times eager's: another correct rounding, not a defect."""
 FLOOR = 1e-6
@@ -110,8 +111,9 @@ class GradientCheck(pl.Callback):
         reference = self._eager_gradients(pl_module, params, full_precision(pl_module.device))
         eager = self._eager_gradients(pl_module, params, trainer.precision_plugin.forward_context())
         errors, eager_errors = relative_errors(used, reference), relative_errors(eager, reference)
+        worst = names[errors.index(max(errors))]
         self.rows.append({"step": trainer.global_step, "err": statistics.median(errors),
-                          "eager_err": statistics.median(eager_errors), "worst": names[errors.index(max(errors))]})  # fmt: skip
+                          "eager_err": statistics.median(eager_errors), "worst": worst})  # fmt: skip
 
     def _eager_gradients(self, pl_module: pl.LightningModule, params: Sequence[nn.Parameter],
                          context: AbstractContextManager) -> list[Tensor | None]:  # fmt: skip
@@ -171,10 +173,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
     args = p.parse_args(argv)
     steps = 6 if args.smoke else args.steps
-    groups = [[{"model": model, "strategy": "ddp" if args.world_size > 1 else None, "world_size": args.world_size,
-                "batch_size": batch, "variant": variant, "steps": steps, "every": args.check_every,
-                "smoke": args.smoke, **({"seed": args.seed} if args.seed else {})}
-               for variant in harness.split(args.variants, VARIANTS)] for model, batch in models.regimes(args)]  # fmt: skip
+    case = {"strategy": "ddp" if args.world_size > 1 else None, "world_size": args.world_size, "steps": steps,
+            "every": args.check_every, "smoke": args.smoke, **({"seed": args.seed} if args.seed else {})}  # fmt: skip
+    variants = harness.split(args.variants, VARIANTS)
+    groups = [[{"model": model, "batch_size": batch, "variant": variant, **case} for variant in variants]
+              for model, batch in models.regimes(args)]  # fmt: skip
     return harness.run(args, "gradients.py", measure, FIELDS, groups)
 
 
