@@ -13,9 +13,11 @@ of the fit. ``eager_fp32`` is eager in full precision (``32-true``): how far it 
 losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's distance from
 eager is held to (``--losses`` prints both). ``eager_deterministic`` is eager with torch's deterministic kernels
 (``Trainer(deterministic="warn")``): another correct path through the same fit, to tell how far a training
-trajectory alone moves when only the kernels' rounding changes. ``--seed`` starts the models and batches from
-another seed (a record's ``seed``; ``--losses`` holds each seed against its own eager), so that one trajectory
-is not taken for a rule. The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
+trajectory alone moves when only the kernels' rounding changes; ``eager_exact_reductions`` is eager with cuBLAS's
+split-K reductions kept in float32 (torch lets them round to bf16 by default; compiled code meets that rounding
+less often, and ``gradients.py`` finds its gradients closer to full precision than eager's). ``--seed`` starts
+the models and batches from another seed (a record's ``seed``; ``--losses`` holds each seed against its own eager),
+so that one trajectory is not taken for a rule. The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
 callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its NVML sampler);
 ``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, and
 ``fuse_forced_graph`` forces the whole network compiled under one graph without a search
@@ -46,7 +48,8 @@ FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "variant", "s
           "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
           "error")  # fmt: skip
 DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
-           "eager_deterministic": ("eager", {"deterministic": "warn"}, {}), "fuse_idle": ("fuse", {}, {"targets": []}),
+           "eager_deterministic": ("eager", {"deterministic": "warn"}, {}), "eager_exact_reductions": ("eager", {}, {}),
+           "fuse_idle": ("fuse", {}, {"targets": []}),
            "fuse_idle_unsampled": ("fuse", {}, {"targets": [], "gpu_sample_hz": 0}),
            "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
            "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False}),
@@ -55,6 +58,8 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
            "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
                                                     "eager_steps": 0})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
+MATMUL_FLAGS = {"eager_exact_reductions": {"allow_bf16_reduced_precision_reduction": False}}
+"""Variants that set ``torch.backends.cuda.matmul`` flags for the whole fit, on every rank."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
 CURVE_POINTS = 10
 """``loss_curves``: the fit's steps in this many blocks, each block's mean loss."""
@@ -113,6 +118,8 @@ def measure(spec: dict) -> dict:
         strategy = FSDPStrategy(auto_wrap_policy=blocks or None)
     started = time.perf_counter()
     variant, trainer_kw, fuse_kw = DERIVED.get(spec["variant"], (spec["variant"], {}, {}))
+    for flag, value in MATMUL_FLAGS.get(spec["variant"], {}).items():
+        setattr(torch.backends.cuda.matmul, flag, value)
     callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
     losses = RankLosses()
     device = {"accelerator": "cpu"} if spec["smoke"] else {}  # gloo on CPU
