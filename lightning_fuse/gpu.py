@@ -442,11 +442,35 @@ def count_step_flops() -> Iterator[StepFlops]:
     counter = FlopCounterMode(display=False)
     registry = counter.flop_registry  # per-instance copy of torch's formulas: wrapping it changes no global state
     counter.flop_registry = {op: _tolerant(op, formula, result.uncounted) for op, formula in registry.items()}
+    counter.mod_tracker = _TotalOnly()  # torch's tracker breaks autograd.grad over a leaf input: _TotalOnly says why
     with counter:
         yield result
     result.total = counter.get_total_flops()
     if result.uncounted:
         log.info(f"FLOPs of {sorted(result.uncounted)} could not be counted and were taken as 0.")
+
+
+class _TotalOnly:
+    """Stands in for ``FlopCounterMode``'s module tracker, which a total does not need: every FLOP counts towards
+    ``Global`` alone. Torch's tracker hooks each module's inputs for the backward, and those hooks make
+    ``torch.autograd.grad`` over a module's leaf input raise ("A leaf node was passed to
+    _will_engine_execute_node", pytorch#131753): a gradient penalty in the user's training step would fail in a
+    counted step.
+
+    Example::
+
+        >>> with _TotalOnly() as tracker:
+        ...     tracker.parents
+        ('Global',)
+    """
+
+    parents = ("Global",)
+
+    def __enter__(self) -> _TotalOnly:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def _tolerant(op: Any, formula: Callable[..., int], uncounted: set[str]) -> Callable[..., int]:

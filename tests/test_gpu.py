@@ -210,6 +210,19 @@ def test_count_step_flops_linear_forward_and_backward() -> None:
     assert flops.total == 4 * batch * fan_in * fan_out
 
 
+def test_a_counted_step_may_take_gradients_of_a_modules_leaf_input() -> None:
+    """A gradient penalty (WGAN-GP, R1) in the user's training step: ``torch.autograd.grad`` over the critic's
+    input, a leaf. Under torch's own ``FlopCounterMode`` that raises (pytorch#131753); a counted eager step must not."""
+    batch, fan_in = 4, 8
+    critic = torch.nn.Linear(fan_in, 1)
+    real = torch.randn(batch, fan_in, requires_grad=True)
+    with count_step_flops() as flops:
+        (grad,) = torch.autograd.grad(critic(real).sum(), real, create_graph=True)
+        penalty = (grad.norm(dim=1) - 1).pow(2).mean()
+        (critic(real).mean() + penalty).backward()
+    assert critic.weight.grad is not None and flops.total > 0
+
+
 def test_count_step_flops_tolerates_a_failing_formula(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: object, **kwargs: object) -> int:
         raise RuntimeError("formula cannot handle this shape")
