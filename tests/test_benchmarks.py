@@ -1,9 +1,9 @@
 """CPU smoke tests of the benchmark harnesses: every script's ``--smoke`` path, on tiny models.
 
-Two scripts run end to end through their CLI, in background processes started once for the module: ``zoo.py``
-(a compiling variant: a cold and a warm child process) and ``multi_gpu.py`` (Lightning's 2-process DDP on gloo).
-The other scripts run their ``main`` in this process with the child launch replaced by a direct call of their
-``measure``: the same records, without paying a fresh interpreter per job. The harness's own process handling
+Three scripts run end to end through their CLI, in background processes started once for the module: ``zoo.py``
+(a compiling variant: a cold and a warm child process), ``multi_gpu.py`` and ``gradients.py`` (Lightning's
+2-process DDP on gloo). The other scripts run their ``main`` in this process with the child launch replaced by a
+direct call of their ``measure``: the same records, without paying a fresh interpreter per job. The harness's own process handling
 (crashes, the budget, alternating order) is tested with stdlib-only child scripts.
 """
 
@@ -15,7 +15,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -30,6 +32,7 @@ CLI = {
     "zoo": ["--models", "gpt", "--batches", "small", "--variants", "eager"],
     "multi_gpu": ["--models", "gpt", "--strategies", "ddp", "--batches", "small",
                   "--variants", "eager_fp32,fuse_idle", "--seed", "3"],
+    "gradients": ["--models", "gpt", "--world-size", "2", "--variants", "eager"],
 }
 
 
@@ -337,6 +340,74 @@ def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> 
     assert table[0] == "| model | strategy | batch | seed | eager_fp32 | compile | fuse |"
     assert table[2:] == ["| gpt | ddp | 8 | 0 | 0.05 | 0.01 (within) | 0.10 (beyond) |",
                          "| gpt | ddp | 8 | 2 | - | - | 0.50 |"], "rank 1's gap counts; each seed has its own eager"
+
+
+def test_gradients_held_to_full_precision_under_ddp_on_gloo(cli_runs: dict) -> None:
+    import gradients
+
+    (record,) = _records(_finished(cli_runs["gradients"]))
+    _check([record], gradients.FIELDS, 1)
+    assert record["strategy"] == "ddp" and record["world_size"] == 2 and record["checked"] == 6
+    assert record["grad_err"] == record["eager_grad_err"] > 0, "eager is its own bf16 reference; CPU autocast rounds"
+    assert record["grad_err_ratio"] == 1.0 and record["within"] is True
+    assert [row[0] for row in record["step_errors"]] == list(range(6))
+
+
+def test_gradients_of_the_compiled_variants_are_eagers_own(tmp_path: Path, in_process) -> None:
+    import gradients
+
+    out = tmp_path / "gradients.jsonl"
+    assert gradients.main(["--smoke", "--models", "gpt", "--variants", "eager,compile,fuse_forced_graph",
+                           "--check-every", "2", "--out", str(out)]) == 0  # fmt: skip
+    records = _records(out)
+    _check(records, gradients.FIELDS, 3)
+    for record in records:
+        assert record["checked"] == 3 and [row[0] for row in record["step_errors"]] == [0, 2, 4]
+        assert record["within"] is True and record["grad_err_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert records[2]["plan"] == "regions", "the forced plan ran (no graph on a CPU)"
+
+
+class _StaleGradients(pl.Callback):
+    """A defect to catch: from the second step on, the optimizer sees the previous step's gradients."""
+
+    def __init__(self) -> None:
+        self.held: list[torch.Tensor] | None = None
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        params = [p for p in pl_module.model.parameters() if p.grad is not None]
+        now = [p.grad.clone() for p in params]
+        if self.held is not None:
+            for p, old in zip(params, self.held):
+                p.grad.copy_(old)
+        self.held = now
+
+
+def test_a_gradient_defect_is_beyond_and_named() -> None:
+    import gradients
+
+    task, loader = models.build("gpt", 2, smoke=True, length=4)
+    check = gradients.GradientCheck()
+    result = harness.fit(task, loader, steps=4, warmup=1, callbacks=[_StaleGradients(), check], accelerator="cpu",
+                         precision="bf16-mixed")  # fmt: skip
+    assert result["error"] is None
+    summary = check.summary()
+    first, *later = summary["step_errors"]
+    assert first[1] == first[2], "the first step's gradients are the step's own"
+    assert all(err > 10 * eager_err for _, err, eager_err in later), "stale gradients are far beyond rounding"
+    assert summary["within"] is False and summary["grad_err_ratio"] > gradients.WITHIN_RATIO
+    assert summary["worst"] in dict(task.model.named_parameters())
+
+
+def test_relative_errors_and_an_inconclusive_reference() -> None:
+    import gradients
+
+    one, two = torch.ones(2), torch.full((2,), 2.0)
+    assert gradients.relative_errors([one, None, None], [two, None, one]) == [0.5, 0.0, float("inf")]
+    check = gradients.GradientCheck()
+    check.rows = [{"step": 0, "err": 0.9, "eager_err": 0.8, "worst": "w"}]
+    assert check.summary()["within"] is None, "eager's own error is beyond INCONCLUSIVE: full precision tells nothing"
+    check.rows = [{"step": 0, "err": 0.01, "eager_err": 0.02, "worst": "w"}]
+    assert check.summary()["within"] is True and check.summary()["grad_err_ratio"] == 0.5
 
 
 def test_a_record_names_the_commit_it_is_told(monkeypatch: pytest.MonkeyPatch) -> None:
