@@ -3,8 +3,8 @@
 Three scripts run end to end through their CLI, in background processes started once for the module: ``zoo.py``
 (a compiling variant: a cold and a warm child process), ``multi_gpu.py`` and ``gradients.py`` (Lightning's
 2-process DDP on gloo). The other scripts run their ``main`` in this process with the child launch replaced by a
-direct call of their ``measure``: the same records, without paying a fresh interpreter per job. The harness's own process handling
-(crashes, the budget, alternating order) is tested with stdlib-only child scripts.
+direct call of their ``measure``: the same records, without paying a fresh interpreter per job. The harness's own
+process handling (crashes, the budget, alternating order) is tested with stdlib-only child scripts.
 """
 
 from __future__ import annotations
