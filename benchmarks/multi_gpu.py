@@ -132,8 +132,9 @@ def measure(spec: dict) -> dict:
 
 
 def loss_gaps(records: list[dict]) -> str:
-    """A Markdown table: for each case (model, strategy, batch, seed) and variant, the greatest relative distance
-    between its ``loss_curves`` and eager's (every rank, every block), from each key's newest record that has curves.
+    """A Markdown table: for each case (model, strategy, batch, seed, device) and variant, the greatest relative
+    distance between its ``loss_curves`` and eager's (every rank, every block), from each key's newest record that
+    has curves. Each device is held to its own eager: the same fit rounds differently on another GPU.
 
     A variant is within bf16's tolerance where its gap is at most ``eager_fp32``'s.
 
@@ -142,16 +143,17 @@ def loss_gaps(records: list[dict]) -> str:
         >>> rows = [{"model": "m", "strategy": "ddp", "batch_size": 8, "variant": v, "loss_curves": [[c, c]]}
         ...         for v, c in (("eager", 2.0), ("fuse", 2.02), ("eager_fp32", 2.1))]
         >>> print(loss_gaps(rows).splitlines()[-1])
-        | m | ddp | 8 | 0 | 0.05 | 0.01 (within) |
+        | m | ddp | 8 | 0 | - | 0.05 | 0.01 (within) |
     """
     newest: dict[tuple, dict] = {}
     for record in records:
         if record.get("loss_curves"):
-            case = (*(record.get(k) for k in ("model", "strategy", "batch_size")), record.get("seed") or 0)
+            case = (*(record.get(k) for k in ("model", "strategy", "batch_size")), record.get("seed") or 0,
+                    record.get("device") or "-")  # fmt: skip
             newest[(*case, record.get("variant"))] = record
-    cases = sorted({key[:4] for key in newest}, key=str)
-    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[4] == v for key in newest)]
-    header = ["model", "strategy", "batch", "seed", "eager_fp32", *others]
+    cases = sorted({key[:5] for key in newest}, key=str)
+    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[5] == v for key in newest)]
+    header = ["model", "strategy", "batch", "seed", "device", "eager_fp32", *others]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for case in cases:
         eager = newest.get((*case, "eager"))

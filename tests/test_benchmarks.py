@@ -336,10 +336,13 @@ def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> 
                record("fuse", [4.0, 2.0], [4.0, 3.3]), record("compile", [4.04, 2.0], [4.0, 3.0]),
                record("fuse", [1.0, 1.0], [1.0, 1.0], batch=32), {"variant": "eager", "loss_curves": None},
                record("eager", [4.0, 1.0], [4.0, 1.0], seed=2), record("fuse", [4.0, 1.5], [4.0, 1.0], seed=2)]
+    records += [{**record(variant, [4.0, 2.0], [4.0, curve]), "device": "H200"}
+                for variant, curve in (("eager", 3.0), ("fuse", 4.0))]  # newer, on another GPU
     table = multi_gpu.loss_gaps(records).splitlines()
-    assert table[0] == "| model | strategy | batch | seed | eager_fp32 | compile | fuse |"
-    assert table[2:] == ["| gpt | ddp | 8 | 0 | 0.05 | 0.01 (within) | 0.10 (beyond) |",
-                         "| gpt | ddp | 8 | 2 | - | - | 0.50 |"], "rank 1's gap counts; each seed has its own eager"
+    assert table[0] == "| model | strategy | batch | seed | device | eager_fp32 | compile | fuse |"
+    assert table[2:] == ["| gpt | ddp | 8 | 0 | - | 0.05 | 0.01 (within) | 0.10 (beyond) |",
+                         "| gpt | ddp | 8 | 0 | H200 | - | - | 0.33 |",
+                         "| gpt | ddp | 8 | 2 | - | - | - | 0.50 |"], "rank 1's gap counts; each seed and GPU, own eager"
 
 
 def test_gradients_held_to_full_precision_under_ddp_on_gloo(cli_runs: dict) -> None:
