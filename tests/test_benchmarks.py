@@ -342,7 +342,7 @@ def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> 
     assert table[0] == "| model | strategy | batch | seed | device | eager_fp32 | compile | fuse |"
     assert table[2:] == ["| gpt | ddp | 8 | 0 | - | 0.05 | 0.01 (within) | 0.10 (beyond) |",
                          "| gpt | ddp | 8 | 0 | H200 | - | - | 0.33 |",
-                         "| gpt | ddp | 8 | 2 | - | - | - | 0.50 |"], "rank 1's gap counts; each seed and GPU, own eager"
+                         "| gpt | ddp | 8 | 2 | - | - | - | 0.50 |"], "rank 1 counts; each seed and GPU, own eager"
 
 
 def test_gradients_held_to_full_precision_under_ddp_on_gloo(cli_runs: dict) -> None:
