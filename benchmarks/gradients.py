@@ -90,7 +90,11 @@ class GradientCheck(pl.Callback):
     full precision and eager's in the fit's precision, at the same weights and batch (this module's docstring).
 
     List it last among the callbacks, so that the gradients it checks are those every other callback left. It
-    leaves the fit as it found it: no ``.grad`` is touched, and buffers (batch-norm statistics) are restored.
+    leaves the fit as it found it: no ``.grad`` is touched, and buffers (batch-norm statistics) are restored. One
+    batch makes one optimizer step: with gradient accumulation the step's gradients are not one batch's.
+
+    Raises:
+        ValueError: At fit start, where the Trainer accumulates gradients over several batches.
 
     Example::
 
@@ -102,6 +106,13 @@ class GradientCheck(pl.Callback):
         self.every = every
         self.rows: list[dict[str, Any]] = []
         self._batch: Any = None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"GradientCheck compares one batch's gradients, but the Trainer accumulates "
+                f"{trainer.accumulate_grad_batches} batches a step: set accumulate_grad_batches=1."
+            )
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self._batch = batch
@@ -177,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--check-every", type=int, default=1, help="check every this many optimizer steps")
     p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
     args = p.parse_args(argv)
+    if args.check_every < 1:
+        p.error(f"--check-every must be at least 1, got {args.check_every}")
     steps = 6 if args.smoke else args.steps
     case = {"strategy": "ddp" if args.world_size > 1 else None, "world_size": args.world_size, "steps": steps,
             "every": args.check_every, "smoke": args.smoke, **({"seed": args.seed} if args.seed else {})}  # fmt: skip

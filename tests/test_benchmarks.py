@@ -401,6 +401,17 @@ def test_a_gradient_defect_is_beyond_and_named() -> None:
     assert summary["worst"] in dict(task.model.named_parameters())
 
 
+def test_the_gradient_check_refuses_accumulation_and_a_zero_interval() -> None:
+    import gradients
+
+    task, loader = models.build("gpt", 2, smoke=True, length=4)
+    result = harness.fit(task, loader, steps=2, warmup=1, callbacks=[gradients.GradientCheck()], accelerator="cpu",
+                         accumulate_grad_batches=2)  # fmt: skip
+    assert "accumulate_grad_batches=1" in result["error"]
+    with pytest.raises(SystemExit):
+        gradients.main(["--smoke", "--check-every", "0"])
+
+
 def test_relative_errors_and_an_inconclusive_reference() -> None:
     import gradients
 
