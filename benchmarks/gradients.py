@@ -39,7 +39,7 @@ import lightning.pytorch as pl
 import models
 import torch
 import torch.distributed as dist
-from multi_gpu import DERIVED, VARIANTS, without_dropout
+from multi_gpu import VARIANTS, apply_derived, without_dropout
 from torch import Tensor, nn
 
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "variant", "grad_err", "eager_grad_err",
@@ -169,8 +169,7 @@ def measure(spec: dict) -> dict:
                                 seed=spec.get("seed") or 0, shift=rank)  # fmt: skip
     without_dropout(task.model)
     started = time.perf_counter()
-    variant, trainer_kw, fuse_kw = DERIVED.get(spec["variant"], (spec["variant"], {}, {}))
-    callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
+    _, callbacks, trainer_kw = apply_derived(task, spec["variant"], spec["smoke"], spec["cache_dir"])
     check = GradientCheck(spec["every"])
     world = spec["world_size"]
     setup = {"devices": world, **({"strategy": "ddp", "use_distributed_sampler": False} if world > 1 else {})}

@@ -106,6 +106,22 @@ def fuse_scalars(history: list[dict]) -> dict[str, Any]:
     return {"speedup_logged": last.get("fuse/speedup"), "gpu_util_ranks": [value for _, value in ranks] or None}
 
 
+def apply_derived(task: models.Task, name: str, smoke: bool, cache_dir: str | None) -> tuple[str, list, dict]:
+    """Make ``task`` the variant ``name`` (one of :data:`VARIANTS`), its :data:`MATMUL_FLAGS` set for the whole
+    process; returns the variant it runs, its callbacks and its Trainer arguments.
+
+    Example::
+
+        >>> task, _ = models.build("gpt", 2, smoke=True, length=1)
+        >>> apply_derived(task, "eager_fp32", smoke=True, cache_dir=None)
+        ('eager', [], {'precision': '32-true'})
+    """
+    variant, trainer_kw, fuse_kw = DERIVED.get(name, (name, {}, {}))
+    for flag, value in MATMUL_FLAGS.get(name, {}).items():
+        setattr(torch.backends.cuda.matmul, flag, value)
+    return variant, models.apply_variant(task, variant, smoke, cache_dir, **fuse_kw), trainer_kw
+
+
 def measure(spec: dict) -> dict:
     """One multi-process fit (this process is rank 0; Lightning re-runs this command for rank 1)."""
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set for rank 1 by Lightning's launcher before it runs this
@@ -117,10 +133,7 @@ def measure(spec: dict) -> dict:
         blocks = {type(block) for block in models.repeated_blocks(task.model)} - {type(task.model)}
         strategy = FSDPStrategy(auto_wrap_policy=blocks or None)
     started = time.perf_counter()
-    variant, trainer_kw, fuse_kw = DERIVED.get(spec["variant"], (spec["variant"], {}, {}))
-    for flag, value in MATMUL_FLAGS.get(spec["variant"], {}).items():
-        setattr(torch.backends.cuda.matmul, flag, value)
-    callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
+    variant, callbacks, trainer_kw = apply_derived(task, spec["variant"], spec["smoke"], spec["cache_dir"])
     losses = RankLosses()
     device = {"accelerator": "cpu"} if spec["smoke"] else {}  # gloo on CPU
     result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=[*callbacks, losses],

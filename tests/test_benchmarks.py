@@ -325,6 +325,19 @@ def test_multi_gpus_own_variants_run_a_variant_of_the_zoo_with_settings_fuse_acc
         FuseOptions(**fuse_kw)  # raises on a setting FuseCallback refuses
 
 
+def test_a_variant_with_matmul_flags_sets_them_for_every_benchmark_that_runs_it() -> None:
+    import multi_gpu
+
+    matmul = torch.backends.cuda.matmul  # no monkeypatch: its undo cannot find the flag torch computes
+    before = matmul.allow_bf16_reduced_precision_reduction
+    task, _ = models.build("gpt", 2, smoke=True, length=1)
+    try:
+        assert multi_gpu.apply_derived(task, "eager_exact_reductions", smoke=True, cache_dir=None) == ("eager", [], {})
+        assert matmul.allow_bf16_reduced_precision_reduction is False
+    finally:
+        matmul.allow_bf16_reduced_precision_reduction = before
+
+
 def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> None:
     import multi_gpu
 
