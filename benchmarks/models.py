@@ -116,6 +116,39 @@ def token_batches(batch: int, seq: int, vocab: int, target_len: int | None = Non
     return out
 
 
+MARKOV_TOKENS = 2048
+"""The tokens of :func:`markov_batches`' chain (a random subset of the vocabulary)."""
+MARKOV_SUCCESSORS = 8
+"""Each token of the chain is followed by one of this many, the ``k``-th with probability proportional to ``1/k``:
+the text's entropy is 1.82 nats a token, which a model learns towards however many batches it sees."""
+
+
+def markov_batches(batch: int, seq: int, vocab: int, count: int) -> list[dict]:
+    """``count`` causal-LM batches of text from one random Markov chain (:data:`MARKOV_TOKENS`,
+    :data:`MARKOV_SUCCESSORS`): text with structure to learn, where :func:`token_batches`' random tokens, cycled,
+    can only be memorised. A memorising fit is chaotic (a change of rounding moves its loss curve by anything from
+    nothing to tenfold, ``benchmarks/RESULTS.md``); a fit that learns the chain from fresh batches follows one curve,
+    so two correct variants' losses can be held to each other.
+
+    Example::
+
+        >>> batches = markov_batches(batch=2, seq=5, vocab=100, count=3)
+        >>> len(batches), batches[0]["input_ids"].shape, batches[0]["labels"] is batches[0]["input_ids"]
+        (3, torch.Size([2, 5]), True)
+    """
+    chain = min(MARKOV_TOKENS, vocab)
+    tokens = torch.randperm(vocab)[:chain]
+    successors = torch.randint(0, chain, (chain, MARKOV_SUCCESSORS))
+    weights = (1.0 / torch.arange(1, MARKOV_SUCCESSORS + 1)).expand(count * batch, -1)
+    state = torch.randint(0, chain, (count * batch,))
+    columns = [state]
+    for _ in range(seq - 1):
+        state = successors[state, torch.multinomial(weights, 1).squeeze(1)]
+        columns.append(state)
+    text = tokens[torch.stack(columns, 1)].view(count, batch, seq)
+    return [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids} for ids in text]
+
+
 def image_batches(batch: int, side: int, classes: int, as_dict: bool = False) -> list[Any]:
     out = []
     for _ in range(DISTINCT_BATCHES):
@@ -255,11 +288,17 @@ def regimes(args: Any, allowed: Sequence[str] = ()) -> list[tuple[str, int]]:
 
 
 def build(model: str, batch: int, smoke: bool, length: int, scheduler: bool = False, seed: int = 0,
-          fused: bool = True, shift: int = 0) -> tuple[Task, DataLoader]:  # fmt: skip
+          fused: bool = True, shift: int = 0, markov: int = 0) -> tuple[Task, DataLoader]:  # fmt: skip
     """The model's :class:`Task` (``scheduler``, ``fused``: as :class:`Task` takes them) and a loader of ``length``
-    batches (one epoch), from ``seed``, starting at the ``shift``-th (:class:`Batches`)."""
+    batches (one epoch), from ``seed``, starting at the ``shift``-th (:class:`Batches`). ``markov``: that many
+    batches of :func:`markov_batches`' text instead of the model's random ones (a causal LM's only)."""
     pl.seed_everything(seed, verbose=False)
     net, loss_fn, batches = MODELS[model][1](batch, smoke)
+    if markov:
+        first = batches[0]
+        if not (isinstance(first, dict) and first.get("labels") is first.get("input_ids")):
+            raise ValueError(f"`markov` text is for the causal LMs' batches (labels = input_ids); {model!r} has none.")
+        batches = markov_batches(batch, first["input_ids"].shape[1], net.config.vocab_size, markov)
     data = Batches(batches, length, shift)
     return Task(net, loss_fn, data, scheduler=scheduler, fused=fused), DataLoader(data, batch_size=None)
 

@@ -17,7 +17,10 @@ trajectory alone moves when only the kernels' rounding changes; ``eager_exact_re
 split-K reductions kept in float32 (torch lets them round to bf16 by default; compiled code meets that rounding
 less often, and ``gradients.py`` finds its gradients closer to full precision than eager's). ``--seed`` starts
 the models and batches from another seed (a record's ``seed``; ``--losses`` holds each seed against its own eager),
-so that one trajectory is not taken for a rule. The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
+so that one trajectory is not taken for a rule. ``--data markov`` trains the causal LMs on fresh batches of
+Markov-chain text (``models.markov_batches``) instead of four random batches cycled, and ``--scheduler`` warms the
+learning rate up: a fit that learns rather than memorises, whose curve a change of rounding cannot reroute (a
+record's ``data`` and ``scheduler``; ``--losses`` holds each fit to its own eager). The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
 callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its NVML sampler);
 ``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, and
 ``fuse_forced_graph`` forces the whole network compiled under one graph without a search
@@ -26,6 +29,8 @@ no graph), to find which piece moves the losses or the time. On a machine with 2
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
+    python benchmarks/multi_gpu.py --models gpt2 --batches small --strategies ddp --data markov --scheduler \
+        --variants eager,eager_fp32,fuse   # losses on a fit that learns
     python benchmarks/multi_gpu.py --smoke --models gpt --variants eager,fuse   # CPU: gloo, 2 processes
 """
 
@@ -44,7 +49,7 @@ import torch
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import nn
 
-FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
+FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "data", "scheduler", "variant", "step_ms", "step_ms_q1", "step_ms_q3",
           "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks", "plan", "ran", "search",
           "error")  # fmt: skip
 DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
@@ -125,8 +130,11 @@ def apply_derived(task: models.Task, name: str, smoke: bool, cache_dir: str | No
 def measure(spec: dict) -> dict:
     """One multi-process fit (this process is rank 0; Lightning re-runs this command for rank 1)."""
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # set for rank 1 by Lightning's launcher before it runs this
-    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"] // EPOCHS,
-                                seed=spec.get("seed") or 0, shift=rank)  # each rank its own batch at every step
+    length = spec["steps"] // EPOCHS
+    markov = spec.get("data") == "markov"
+    task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], length, seed=spec.get("seed") or 0,
+                                scheduler=bool(spec.get("scheduler")), markov=spec["world_size"] * length if markov else 0,
+                                shift=rank * length if markov else rank)  # each rank its own batch at every step
     without_dropout(task.model)
     strategy = spec["strategy"]
     if strategy == "fsdp":
@@ -145,7 +153,7 @@ def measure(spec: dict) -> dict:
 
 
 def loss_gaps(records: list[dict]) -> str:
-    """A Markdown table: for each case (model, strategy, batch, seed, device) and variant, the greatest relative
+    """A Markdown table: for each case (model, strategy, batch, seed, fit, device) and variant, the greatest relative
     distance between its ``loss_curves`` and eager's (every rank, every block), from each key's newest record that
     has curves. Each device is held to its own eager: the same fit rounds differently on another GPU.
 
@@ -156,17 +164,17 @@ def loss_gaps(records: list[dict]) -> str:
         >>> rows = [{"model": "m", "strategy": "ddp", "batch_size": 8, "variant": v, "loss_curves": [[c, c]]}
         ...         for v, c in (("eager", 2.0), ("fuse", 2.02), ("eager_fp32", 2.1))]
         >>> print(loss_gaps(rows).splitlines()[-1])
-        | m | ddp | 8 | 0 | - | 0.05 | 0.01 (within) |
+        | m | ddp | 8 | 0 | random | - | 0.05 | 0.01 (within) |
     """
     newest: dict[tuple, dict] = {}
     for record in records:
         if record.get("loss_curves"):
             case = (*(record.get(k) for k in ("model", "strategy", "batch_size")), record.get("seed") or 0,
-                    record.get("device") or "-")  # fmt: skip
+                    _fit(record), record.get("device") or "-")  # fmt: skip
             newest[(*case, record.get("variant"))] = record
-    cases = sorted({key[:5] for key in newest}, key=str)
-    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[5] == v for key in newest)]
-    header = ["model", "strategy", "batch", "seed", "device", "eager_fp32", *others]
+    cases = sorted({key[:6] for key in newest}, key=str)
+    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[6] == v for key in newest)]
+    header = ["model", "strategy", "batch", "seed", "fit", "device", "eager_fp32", *others]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for case in cases:
         eager = newest.get((*case, "eager"))
@@ -182,6 +190,11 @@ def loss_gaps(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _fit(record: dict) -> str:
+    """What a record's fit trains on: ``random`` (batches cycled) or ``markov`` text, ``+lr`` with the scheduler."""
+    return (record.get("data") or "random") + ("+lr" if record.get("scheduler") else "")
+
+
 def _gap(curves: list[list[float]], eager: list[list[float]]) -> float:
     return max(abs(a / b - 1) for rank, ref in zip(curves, eager) for a, b in zip(rank, ref))
 
@@ -192,13 +205,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategies", default="ddp,fsdp")
     p.add_argument("--losses", type=Path, help="print each variant's loss gap to eager from these records, and stop")
     p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
+    p.add_argument("--data", choices=("random", "markov"), default="random",
+                   help="random batches cycled (the default), or fresh batches of Markov text (causal LMs)")
+    p.add_argument("--scheduler", action="store_true", help="a warmup-then-cosine learning rate, stepped each step")
     args = p.parse_args(argv)
     if args.losses:
         print(loss_gaps(harness.read_records(args.losses)))
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "strategy": strategy, "world_size": 2, "batch_size": batch, "variant": variant,
-                "steps": steps, "warmup": warmup, "smoke": args.smoke, **({"seed": args.seed} if args.seed else {})}
+                "steps": steps, "warmup": warmup, "smoke": args.smoke, **({"seed": args.seed} if args.seed else {}),
+                **({"data": args.data} if args.data != "random" else {}),
+                **({"scheduler": True} if args.scheduler else {})}
                for variant in harness.split(args.variants, VARIANTS)]
               for model, batch in models.regimes(args) for strategy in harness.split(args.strategies, ("ddp", "fsdp"))]
     return harness.run(args, "multi_gpu.py", measure, FIELDS, groups)

@@ -351,11 +351,31 @@ def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> 
                record("eager", [4.0, 1.0], [4.0, 1.0], seed=2), record("fuse", [4.0, 1.5], [4.0, 1.0], seed=2)]
     records += [{**record(variant, [4.0, 2.0], [4.0, curve]), "device": "H200"}
                 for variant, curve in (("eager", 3.0), ("fuse", 4.0))]  # newer, on another GPU
+    records += [{**record(variant, [4.0, curve], [4.0, curve]), "data": "markov", "scheduler": True}
+                for variant, curve in (("eager", 2.0), ("fuse", 2.2))]  # newer, another fit
     table = multi_gpu.loss_gaps(records).splitlines()
-    assert table[0] == "| model | strategy | batch | seed | device | eager_fp32 | compile | fuse |"
-    assert table[2:] == ["| gpt | ddp | 8 | 0 | - | 0.05 | 0.01 (within) | 0.10 (beyond) |",
-                         "| gpt | ddp | 8 | 0 | H200 | - | - | 0.33 |",
-                         "| gpt | ddp | 8 | 2 | - | - | - | 0.50 |"], "rank 1 counts; each seed and GPU, own eager"
+    assert table[0] == "| model | strategy | batch | seed | fit | device | eager_fp32 | compile | fuse |"
+    assert table[2:] == ["| gpt | ddp | 8 | 0 | markov+lr | - | - | - | 0.10 |",
+                         "| gpt | ddp | 8 | 0 | random | - | 0.05 | 0.01 (within) | 0.10 (beyond) |",
+                         "| gpt | ddp | 8 | 0 | random | H200 | - | - | 0.33 |",
+                         "| gpt | ddp | 8 | 2 | random | - | - | - | 0.50 |"], "rank 1 counts; own eager for each"
+
+
+def test_markov_text_has_the_chains_structure_and_only_causal_lms_take_it() -> None:
+    import models
+
+    torch.manual_seed(0)
+    text = torch.stack([b["input_ids"] for b in models.markov_batches(batch=4, seq=64, vocab=5000, count=8)])
+    assert text.shape == (8, 4, 64) and text.unique().numel() <= models.MARKOV_TOKENS
+    pairs = torch.stack([text[..., :-1].flatten(), text[..., 1:].flatten()], 1)
+    followers = {int(a): set() for a in pairs[:, 0]}
+    for a, b in pairs.tolist():
+        followers[a].add(b)
+    assert max(map(len, followers.values())) <= models.MARKOV_SUCCESSORS, "a token has more successors than the chain"
+    task, _ = models.build("gpt2", 2, smoke=True, length=3, markov=3)
+    assert len(task.data.batches) == 3 and task.data.batches[0]["labels"] is task.data.batches[0]["input_ids"]
+    with pytest.raises(ValueError, match="causal LMs"):
+        models.build("resnet18", 2, smoke=True, length=3, markov=3)
 
 
 def test_gradients_held_to_full_precision_under_ddp_on_gloo(cli_runs: dict) -> None:
