@@ -116,11 +116,11 @@ def token_batches(batch: int, seq: int, vocab: int, target_len: int | None = Non
     return out
 
 
-MARKOV_TOKENS = 2048
+MARKOV_TOKENS = 256
 """The tokens of :func:`markov_batches`' chain (a random subset of the vocabulary)."""
-MARKOV_SUCCESSORS = 8
+MARKOV_SUCCESSORS = 4
 """Each token of the chain is followed by one of this many, the ``k``-th with probability proportional to ``1/k``:
-the text's entropy is 1.82 nats a token, which a model learns towards however many batches it sees."""
+the text's entropy is 1.24 nats a token, which a model learns towards however many batches it sees."""
 
 
 def markov_batches(batch: int, seq: int, vocab: int, count: int) -> list[dict]:
