@@ -14,7 +14,7 @@ A step's error is the median over the parameters of ``|g - g_fp32| / |g_fp32|``.
 variant's step errors, ``eager_grad_err`` that of eager's at the same points, and ``grad_err_ratio`` the greatest
 ratio of the two over the checked steps: eager's own is exactly 1. A defect (stale weights or inputs, a gradient
 lost or counted twice) moves a gradient by far more than rounding does, so a variant is ``within`` where the ratio
-is at most :data:`WITHIN_RATIO`. Where eager's own error passes :data:`INCONCLUSIVE` (ResNet-50 at initialisation:
+is at most ``harness.WITHIN_RATIO``. Where eager's own error passes :data:`INCONCLUSIVE` (ResNet-50 at initialisation:
 a deep batch-norm network turns bf16's rounding into a gradient unlike full precision's), the reference tells
 nothing and ``within`` is ``null``. ``worst`` names the parameter furthest from the reference at that peak step, and
 ``step_errors`` lists ``[step, error, eager's error]``. The networks run without dropout, as in ``multi_gpu.py``.
@@ -45,8 +45,6 @@ from torch import Tensor, nn
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "variant", "grad_err", "eager_grad_err",
           "grad_err_ratio", "within", "checked", "worst", "step_errors", "final_loss", "plan", "ran",
           "error")  # fmt: skip
-WITHIN_RATIO = 2.0
-"""A variant's step error may be up to this many times eager's: another correct rounding, not a defect."""
 INCONCLUSIVE = 0.5
 """Eager's own median step error beyond which full precision is no reference for this fit's gradients."""
 FLOOR = 1e-6
@@ -154,7 +152,7 @@ class GradientCheck(pl.Callback):
         ratios = [row["err"] / max(row["eager_err"], FLOOR) for row in self.rows]
         peak = ratios.index(max(ratios))
         eager_err = statistics.median(row["eager_err"] for row in self.rows)
-        within = None if eager_err > INCONCLUSIVE else ratios[peak] <= WITHIN_RATIO
+        within = None if eager_err > INCONCLUSIVE else ratios[peak] <= harness.WITHIN_RATIO
         return {"grad_err": statistics.median(row["err"] for row in self.rows), "eager_grad_err": eager_err,
                 "grad_err_ratio": ratios[peak], "within": within, "checked": len(self.rows),
                 "worst": self.rows[peak]["worst"],

@@ -41,11 +41,14 @@ from lightning_fuse.timing import SKIPPED, StepTimer  # noqa: E402
 RECORD = "@record "
 """Prefix of the child's result line on stdout (libraries print there too)."""
 KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "epoch_steps", "optimizer", "seed",
-        "variant")
+        "data", "scheduler", "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
 ENV = ("device", "torch", "run_started", "command", "commit")
 LOSS_WINDOW = 10
 """``final_loss`` is the mean loss of the fit's last this many steps."""
+WITHIN_RATIO = 2.0
+"""Held to full precision, a variant may lie up to this many times as far from it as eager does: another correct
+rounding, not a defect (``gradients.py``'s steps, ``multi_gpu.py``'s loss curves)."""
 
 
 def environment() -> dict[str, str]:

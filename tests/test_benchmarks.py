@@ -361,6 +361,19 @@ def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> 
                          "| gpt | ddp | 8 | 2 | random | - | - | - | 0.50 |"], "rank 1 counts; own eager for each"
 
 
+def test_a_variant_closer_to_full_precision_than_eager_is_within_against_full_precision() -> None:
+    import multi_gpu
+
+    curves = {"eager": [4.0, 2.4], "eager_fp32": [4.0, 2.0], "fuse": [4.0, 2.1], "compile": [4.0, 3.0]}
+    records = [{"model": "gpt", "strategy": "ddp", "batch_size": 8, "variant": variant, "loss_curves": [curve]}
+               for variant, curve in curves.items()]  # fmt: skip
+    against_eager = multi_gpu.loss_gaps(records).splitlines()
+    assert against_eager[-1] == "| gpt | ddp | 8 | 0 | random | - | 0.17 | 0.25 (beyond) | 0.12 (within) |"
+    against_fp32 = multi_gpu.loss_gaps(records, against="eager_fp32").splitlines()
+    assert against_fp32[0] == "| model | strategy | batch | seed | fit | device | eager | compile | fuse |"
+    assert against_fp32[-1] == "| gpt | ddp | 8 | 0 | random | - | 0.20 | 0.50 (beyond) | 0.05 (within) |"
+
+
 def test_markov_text_has_the_chains_structure_and_only_causal_lms_take_it() -> None:
     import models
 
@@ -430,7 +443,7 @@ def test_a_gradient_defect_is_beyond_and_named() -> None:
     first, *later = summary["step_errors"]
     assert first[1] == first[2], "the first step's gradients are the step's own"
     assert all(err > 10 * eager_err for _, err, eager_err in later), "stale gradients are far beyond rounding"
-    assert summary["within"] is False and summary["grad_err_ratio"] > gradients.WITHIN_RATIO
+    assert summary["within"] is False and summary["grad_err_ratio"] > harness.WITHIN_RATIO
     assert summary["worst"] in dict(task.model.named_parameters())
 
 
