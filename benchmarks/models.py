@@ -127,8 +127,8 @@ def markov_batches(batch: int, seq: int, vocab: int, count: int) -> list[dict]:
     """``count`` causal-LM batches of text from one random Markov chain (:data:`MARKOV_TOKENS`,
     :data:`MARKOV_SUCCESSORS`): text with structure to learn, where :func:`token_batches`' random tokens, cycled,
     can only be memorised. A memorising fit is chaotic (a change of rounding moves its loss curve by anything from
-    nothing to tenfold, ``benchmarks/RESULTS.md``); a fit that learns the chain from fresh batches follows one curve,
-    so two correct variants' losses can be held to each other.
+    nothing to tenfold, ``benchmarks/RESULTS.md``); a fit that learns the chain follows one curve, so two correct
+    variants' losses can be held to each other.
 
     Example::
 

@@ -18,8 +18,8 @@ split-K reductions kept in float32 (torch lets them round to bf16 by default; co
 less often, and ``gradients.py`` finds its gradients closer to full precision than eager's). ``--seed`` starts
 the models and batches from another seed (a record's ``seed``; ``--losses`` holds each seed against its own eager),
 so that one trajectory is not taken for a rule. The default fit memorises four random batches, and a change of
-rounding can reroute its curve anywhere (``benchmarks/RESULTS.md``). ``--data markov`` trains a causal LM on fresh
-batches of Markov-chain text instead (``models.markov_batches``), and ``--scheduler`` warms its learning rate up:
+rounding can reroute its curve anywhere (``benchmarks/RESULTS.md``). ``--data markov`` trains a causal LM on batches of
+Markov-chain text instead, a new one at every step of an epoch (``models.markov_batches``), and ``--scheduler`` warms its learning rate up:
 a fit that learns (a record's ``data`` and ``scheduler``; ``--losses`` holds each fit to its own eager, then
 every variant to full precision). The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
 callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its NVML sampler);
@@ -37,7 +37,6 @@ no graph), to find which piece moves the losses or the time. On a machine with 2
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -191,12 +190,12 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
             continue
         gap = {v: _gap(newest[(*case, v)]["loss_curves"], reference["loss_curves"]) for v in [judge, *others]
                if (*case, v) in newest}  # fmt: skip
-        tolerance = gap.get(judge) if against == "eager" else gap.get(judge, math.nan) * harness.WITHIN_RATIO
-        cells = [f"{gap[v]:.2f}" + ("" if tolerance is None or math.isnan(tolerance) else
-                                    " (within)" if gap[v] <= tolerance else " (beyond)")
+        judged = gap.get(judge)
+        tolerance = None if judged is None else judged if against == "eager" else judged * harness.WITHIN_RATIO
+        cells = [f"{gap[v]:.2f}" + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
                  if v in gap else "-" for v in others]  # fmt: skip
-        judged = f"{gap[judge]:.2f}" if judge in gap else "-"
-        lines.append(f"| {' | '.join(map(str, case))} | {judged} | " + " | ".join(cells) + " |")
+        lines.append(f"| {' | '.join(map(str, case))} | {'-' if judged is None else f'{judged:.2f}'} | "
+                     + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
 
 

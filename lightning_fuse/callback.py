@@ -57,7 +57,8 @@ class FuseCallback(Callback):
     "reduce-overhead")``, compiled regions, the whole network compiled, eager) runs a few forward and backward passes
     on the run's own inputs, and the fastest that works and is clearly faster than eager is kept; the decision is
     stored with the compile cache.
-    Explicit ``mode``, ``cuda_graph`` or ``targets`` force a plan. Compiling happens in place (``state_dict`` keys,
+    An explicit ``mode`` or ``targets``, or ``cuda_graph=True``, force a plan; ``cuda_graph=False`` leaves the plans
+    that capture CUDA graphs out of the search. Compiling happens in place (``state_dict`` keys,
     hooks and classes never change). Where the first steps' input shapes vary, CUDA graph plans are left out
     (unless ``pad_buckets``), the varying dims compile as dynamic, and on CUDA the plan's steps leave cuDNN attention
     out (it builds a plan per new length). With ``mode="auto"`` a plan measured slower
@@ -75,7 +76,8 @@ class FuseCallback(Callback):
         fullgraph: Passed to ``torch.compile``.
         dynamic: Passed to ``torch.compile``.
         options: Inductor options passed to ``torch.compile`` (not together with an explicit ``mode``).
-        cuda_graph: One CUDA graph over the network's forward and backward: ``"auto"``, ``True`` or ``False``.
+        cuda_graph: One CUDA graph over the network's forward and backward: ``"auto"`` (measured), ``True``
+            (forced, with the regions) or ``False`` (no plan captures graphs; the rest are measured).
         optimizer_graph: Under a compiled plan on CUDA, capture the optimizer's update (Adam, AdamW, fused SGD),
             Lightning's gradient clipping with it, in a CUDA graph and keep it where whole steps measure faster with it
             (:mod:`~lightning_fuse.optimizer_graph`); ``False``: the optimizer steps as it always does.

@@ -73,6 +73,8 @@ class Setting:
     all-reduce after its backward, outside it). FSDP gathers and frees parameters inside the forward: no graph."""
     max_graphs: int = 1
     """CUDA graphs a graph plan may capture, one per batch signature (one per bucket with ``pad_buckets``)."""
+    graphs_off: bool = False
+    """The user's ``cuda_graph=False``: no plan captures CUDA graphs, neither FuseCallback's nor torch's."""
 
     @property
     def processes_allow_graphs(self) -> bool:
@@ -81,8 +83,9 @@ class Setting:
 
     @property
     def cuda_graphs(self) -> bool:
-        """Whether a plan may capture CUDA graphs: on a CUDA device, where the processes allow them."""
-        return self.device.type == "cuda" and self.processes_allow_graphs
+        """Whether a plan may capture CUDA graphs: on a CUDA device, where the processes allow them, unless the user
+        turned them off (:attr:`graphs_off`)."""
+        return self.device.type == "cuda" and self.processes_allow_graphs and not self.graphs_off
 
 
 def fit_setting(options: FuseOptions, pl_module: pl.LightningModule, world_size: int, ddp: bool = False) -> Setting:
@@ -94,7 +97,8 @@ def fit_setting(options: FuseOptions, pl_module: pl.LightningModule, world_size:
     compile_options = CompileOptions(backend=options.backend, fullgraph=options.fullgraph, dynamic=options.dynamic,
                                      options=dict(options.options) if options.options else None)  # fmt: skip
     return Setting(regions, graph_target(pl_module), compile_options, pl_module.device, policy=policy,
-                   world_size=world_size, ddp=ddp, max_graphs=len(options.pad_buckets or [1]))  # fmt: skip
+                   world_size=world_size, ddp=ddp, max_graphs=len(options.pad_buckets or [1]),
+                   graphs_off=options.cuda_graph is False)  # fmt: skip
 
 
 class Plan:

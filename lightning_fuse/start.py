@@ -83,9 +83,9 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
 
 def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.LightningModule) -> FitState:
     """A new fit's state with its candidate plans: the user's own compile (with a CUDA graph over it to measure,
-    unless explicit settings say otherwise), the plans the search will measure, or the one plan explicit settings
-    force."""
-    searching = options.mode == AUTO and options.cuda_graph == AUTO and options.targets in (AUTO, (AUTO,))
+    unless explicit settings say otherwise), the plans the search will measure (``cuda_graph=False`` leaves out
+    those that capture graphs), or the one plan an explicit ``mode`` or ``targets`` or ``cuda_graph=True`` forces."""
+    searching = options.mode == AUTO and options.cuda_graph in (AUTO, False) and options.targets in (AUTO, (AUTO,))
     precompiled = user_compiled(pl_module)
     if precompiled:
         own = user_compiled_candidates(setting, precompiled) if searching else [UserCompiled(precompiled)]

@@ -61,6 +61,16 @@ def test_candidates_per_device_and_process_count():
     assert [p.name for p in candidates(setting_for(task, world_size=2, ddp=True))] == ["eager", "regions", "compile"]
 
 
+def test_cuda_graph_false_leaves_out_every_plan_that_captures_graphs_but_keeps_the_search():
+    task = ToyTask()
+    off = replace(setting_for(task, CUDA), graphs_off=True)
+    assert [p.name for p in candidates(off)] == ["eager", "regions", "compile"]
+    assert not any(p.records_graphs or p.cudagraph_trees for p in candidates(off))
+    net = graph_target(task)[1]
+    net.compile(backend="eager")
+    assert [p.name for p in user_compiled_candidates(off, [net])] == ["user-compiled"]  # their compile, no graph
+
+
 def test_a_network_the_user_compiled_gets_a_graph_over_their_compile_where_graphs_run():
     task = ToyTask()
     net = graph_target(task)[1]

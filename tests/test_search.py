@@ -306,6 +306,14 @@ def test_explicit_settings_force_the_plan_without_a_search():
     assert "mode='default'" in callback.plan.describe()
 
 
+def test_cuda_graph_false_alone_searches_the_plans_without_graphs():
+    callback = fit(FuseCallback(backend="eager", cache_dir=False, cuda_graph=False, eager_steps=2))
+    trials = {trial.name for trial in callback.decision.trials} if callback.decision else set()
+    assert trials == {"eager", "regions", "compile"}
+    forced = fit(FuseCallback(backend="eager", cache_dir=False, cuda_graph=False, mode="default", eager_steps=2))
+    assert forced.decision is None and forced.plan.name == "regions"  # with an explicit mode: forced, as before
+
+
 @pytest.mark.parametrize("kwargs", [{"reference_budget": 0}, {"reference_budget": 0.9}])
 def test_reference_budget_is_checked(kwargs):
     with pytest.raises(ValueError, match="reference_budget"):
