@@ -64,10 +64,10 @@ def end_epoch(fit: FitState, epoch: int, device: torch.device,
         gather: With several processes, the strategy's ``all_gather`` (a collective: every rank calls it).
     """
     times = fit.timer.collect(include_skipped=True)  # all of the epoch's steps: the reference's cost is a share
-    fit.pool.add(times.get(EAGER, []), epoch)  # an epoch without reference steps reuses the pool
-    # eager against eager is no speedup
-    timing = summarize(times, reference=fit.pool.samples if fit.runs_compiled() else [],
-                       reference_age=fit.pool.age(epoch) or 0)  # fmt: skip
+    fit.pool.add(times.get(EAGER, []), epoch, runs=fit.timer.runs.get(EAGER))  # none: the pool stays as it was
+    pooled = fit.runs_compiled()  # eager against eager is no speedup
+    timing = summarize(times, reference=fit.pool.samples if pooled else [], reference_age=fit.pool.age(epoch) or 0,
+                       reference_chunks=fit.pool.chunks if pooled else None)  # fmt: skip
     fit.compiled_ms = timing.step_ms or fit.compiled_ms
     fit.reference_ms, fit.train_ms = fit.reference_ms + timing.reference_ms, fit.train_ms + timing.train_ms
     return epoch_metrics(

@@ -3,8 +3,8 @@
 A step is timed from its start to the next step's start (the whole loop iteration): on CUDA with one event per
 step queued on the current stream and read once per epoch, on CPU with ``time.perf_counter``. The eager reference
 steps cost a fixed share of the training time (:class:`EagerSchedule`, :func:`affordable_reference`); the speedup is
-the ratio of the eager and compiled medians, with a bootstrap interval (:func:`speedup_interval`) over a rolling
-pool of recent reference steps (:class:`ReferencePool`).
+the ratio of the eager and compiled medians, with a bootstrap interval (:mod:`~lightning_fuse.interval`) over a
+rolling pool of recent reference steps, chunk by chunk (:class:`ReferencePool`).
 
 Example::
 
@@ -20,18 +20,17 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import groupby
 
-import numpy as np
 import torch
-from scipy import stats
 
+from lightning_fuse.interval import speedup_interval
 from lightning_fuse.options import REFERENCE_BUDGET, check_reference_budget
 
 COMPILED = "compiled"
@@ -70,6 +69,9 @@ class StepTimer:
         self._kinds: list[str] = []
         self._free_events: list[torch.cuda.Event] = []
         self._stream: torch.cuda.Stream | None = None
+        self.runs: dict[str, list[int]] = {}
+        """At the last :meth:`collect`, how many steps each run of one kind in a row held, by kind, in order: a
+        reference chunk is one run of eager steps (:attr:`ReferencePool.chunks`)."""
 
     def reserve(self, steps: int) -> None:
         """Create the CUDA events of ``steps`` steps now, and look up the stream the steps run on.
@@ -106,12 +108,19 @@ class StepTimer:
         last one); :func:`summarize` reads that as the denominator of the reference's cost.
         """
         times: dict[str, list[float]] = defaultdict(list)
-        marks = self._marks
+        runs: dict[str, list[int]] = defaultdict(list)
+        marks, previous = self._marks, None
         if self._cuda and len(marks) > 1:
             marks[-1].synchronize()  # the last event done means every earlier one is done
         for kind, begin, end in zip(self._kinds, marks, marks[1:]):
             if kind != _INTERRUPTED and (kind != SKIPPED or include_skipped):
                 times[kind].append(begin.elapsed_time(end) if self._cuda else (end - begin) * 1e3)
+                if kind == previous:
+                    runs[kind][-1] += 1
+                else:
+                    runs[kind].append(1)
+            previous = kind
+        self.runs = dict(runs)
         if self._cuda:
             self._free_events += marks
         self._marks, self._kinds = [], []
@@ -145,8 +154,9 @@ search leaves the GPU idle and inductor's workers busy, and the optimizer graph'
 ``benchmarks/RESULTS.md`` has the measurements."""
 THIN_REFERENCE = 2 * CHUNK
 """A pooled reference of fewer timed eager steps than this is thin: the verdict says so. Two chunks are the least
-that sample two moments of the run; the steps of one chunk are not independent, so one chunk's interval understates
-the drift (a fit too short for its budget gets only the first chunk, :class:`EagerSchedule`)."""
+that sample two moments of the run, which the interval then resamples (:mod:`~lightning_fuse.interval`); the steps
+of one chunk are not independent, so one chunk's interval cannot show the drift (a fit too short for its budget gets
+only the first chunk, :class:`EagerSchedule`)."""
 
 
 def reference_step_cost(eager_ms: float, compiled_ms: float, budget: float) -> float:
@@ -356,79 +366,13 @@ class EagerSchedule:
         return fit_step in self._timed
 
 
-BOOTSTRAP_RESAMPLES = 1000
-"""Resamples of :func:`speedup_interval`: its bounds move by ~1% of the interval's width between seeds."""
-BOOTSTRAP_MAX_SAMPLES = 4000
-"""Each side is thinned evenly to at most this many steps for the bootstrap (not for the point): a median of 4000
-steps is already far steadier than the reference's, and a 100k-step epoch would take seconds otherwise."""
-
-
-def _ratio_of_medians(eager: np.ndarray, compiled: np.ndarray, axis: int = -1) -> np.ndarray:
-    return np.median(eager, axis=axis) / np.median(compiled, axis=axis)
-
-
-def _thin(sample: np.ndarray) -> np.ndarray:
-    if len(sample) <= BOOTSTRAP_MAX_SAMPLES:
-        return sample
-    return sample[np.linspace(0, len(sample) - 1, BOOTSTRAP_MAX_SAMPLES).round().astype(int)]
-
-
-_RNG_ARG = "rng" if "rng" in inspect.signature(stats.bootstrap).parameters else "random_state"  # scipy < 1.15
-
-
-def speedup_interval(
-    eager_ms: Sequence[float], compiled_ms: Sequence[float], confidence: float = 0.95, seed: int = 0
-) -> tuple[float | None, float | None, float | None]:
-    """The speedup (median eager step over median compiled step) with a bootstrap interval.
-
-    ``scipy.stats.bootstrap`` resamples both samples independently (:data:`BOOTSTRAP_RESAMPLES` times, percentile
-    method, seeded), so the interval carries the spread of the eager reference as well as the compiled steps'. On
-    lognormal step times it covers the true ratio in 93-96% of trials at 95%, from 5 eager steps up
-    (``tests/test_timing.py``). It treats steps as independent; steps of one chunk are not quite, so read it as a
-    lower bound on the uncertainty from drift. Nothing clamps the ratio: a plan slower than eager gives less than 1.
-
-    Args:
-        eager_ms: The eager reference's step times (e.g. :attr:`ReferencePool.samples`).
-        compiled_ms: The compiled step times of the epoch.
-        confidence: Confidence level of the interval, in (0, 1).
-        seed: Seed of the resampling, so the same steps give the same interval.
-
-    Returns:
-        ``(point, low, high)``. ``point`` is ``None`` without a step on either side; ``low`` and ``high`` are
-        ``None`` with fewer than 2 steps on a side or all steps equal on both.
-
-    Example::
-
-        >>> speedup_interval([12.0], [10.0, 10.0])
-        (1.2, None, None)
-        >>> point, low, high = speedup_interval([9.0, 9.5, 9.2, 9.4, 9.1], [10.0, 10.4, 10.1, 9.9, 10.2])
-        >>> round(point, 2), round(low, 2), round(high, 2)  # slower than eager, and clearly so
-        (0.91, 0.88, 0.95)
-    """
-    if not 0 < confidence < 1:
-        raise ValueError(f"`confidence` must be in (0, 1), e.g. 0.95, got {confidence}.")
-    eager, compiled = np.asarray(eager_ms, dtype=float), np.asarray(compiled_ms, dtype=float)
-    if not len(eager) or not len(compiled) or np.median(compiled) <= 0:
-        return None, None, None
-    point = float(_ratio_of_medians(eager, compiled))
-    if len(eager) < 2 or len(compiled) < 2 or (np.ptp(eager) == 0 and np.ptp(compiled) == 0):
-        return point, None, None
-    result = stats.bootstrap(
-        (_thin(eager), _thin(compiled)), _ratio_of_medians, n_resamples=BOOTSTRAP_RESAMPLES, vectorized=True,
-        paired=False, confidence_level=confidence, method="percentile", **{_RNG_ARG: np.random.default_rng(seed)},
-    )  # fmt: skip
-    low, high = (float(bound) for bound in result.confidence_interval)
-    if not (math.isfinite(low) and math.isfinite(high)):
-        return point, None, None
-    return point, low, high
-
-
 class ReferencePool:
     """The most recent eager reference steps, pooled over epochs, for the speedup's eager side.
 
     The reference is sparse (a chunk every few epochs when the budget is tight), so one epoch may have none and
     another only a chunk. The pool keeps the last ``chunks`` chunks' worth of steps (``chunks * CHUNK``): enough for
-    a median and an interval, and recent enough to follow the drift of the machine's eager speed.
+    a median and an interval, and recent enough to follow the drift of the machine's eager speed. It remembers which
+    chunk each step came from, so that the interval can resample the moments of the run (:attr:`chunks`).
 
     Args:
         chunks: Chunks of :data:`CHUNK` steps to keep.
@@ -446,21 +390,37 @@ class ReferencePool:
         (10, (0, 2))
         >>> pool.age(epoch=2), pool.age(epoch=5)  # 0: the epoch measured its own; 3: the newest chunk is 3 old
         (0, 3)
+        >>> pool.add([31.0] * 4, epoch=6, runs=[2, 2])  # two chunks in one epoch; the oldest steps leave
+        >>> pool.chunks
+        [6, 2, 2]
     """
 
     def __init__(self, chunks: int = 4) -> None:
         if chunks < 1:
             raise ValueError(f"`chunks` must be >= 1 (chunks of {CHUNK} steps to keep), got {chunks}.")
-        self._steps: deque[tuple[int, float]] = deque(maxlen=chunks * CHUNK)
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=chunks * CHUNK)  # (epoch, chunk, ms)
+        self._chunk = 0
 
-    def add(self, eager_ms: Sequence[float], epoch: int) -> None:
-        """Add one epoch's timed eager reference steps (oldest ones leave the pool)."""
-        self._steps.extend((epoch, float(ms)) for ms in eager_ms)
+    def add(self, eager_ms: Sequence[float], epoch: int, runs: Sequence[int] | None = None) -> None:
+        """Add one epoch's timed eager reference steps (oldest ones leave the pool); ``runs``: how many of them
+        each of the epoch's chunks holds, in order (:attr:`StepTimer.runs`), ``None``: one chunk."""
+        sizes = list(runs) if runs is not None else [len(eager_ms)] * bool(len(eager_ms))
+        if sum(sizes) != len(eager_ms):
+            raise ValueError(f"`runs` {sizes} hold {sum(sizes)} steps, but `eager_ms` has {len(eager_ms)}.")
+        steps = iter(eager_ms)
+        for size in sizes:
+            self._steps.extend((epoch, self._chunk, float(next(steps))) for _ in range(size))
+            self._chunk += 1
 
     @property
     def samples(self) -> list[float]:
         """The pooled step times (ms), oldest first."""
-        return [ms for _, ms in self._steps]
+        return [ms for _, _, ms in self._steps]
+
+    @property
+    def chunks(self) -> list[int]:
+        """How many of :attr:`samples` each chunk still in the pool holds, oldest first (the oldest may be cut)."""
+        return [len(list(steps)) for _, steps in groupby(self._steps, key=lambda step: step[1])]
 
     @property
     def epochs(self) -> tuple[int, int] | None:
@@ -482,11 +442,14 @@ class ReferencePool:
         return statistics.median(self.samples) if self._steps else None
 
     def state_dict(self) -> dict[str, list]:
-        return {"steps": [list(step) for step in self._steps]}
+        return {"steps": [[epoch, ms, chunk] for epoch, chunk, ms in self._steps]}
 
     def load_state_dict(self, state: dict[str, list]) -> None:
+        """Restore :meth:`state_dict`'s steps; a checkpoint of a version before chunks counts each epoch as one."""
         self._steps.clear()
-        self._steps.extend((int(epoch), float(ms)) for epoch, ms in state.get("steps", []))
+        self._steps.extend((int(step[0]), int(step[2] if len(step) > 2 else step[0]), float(step[1]))
+                           for step in state.get("steps", []))  # fmt: skip
+        self._chunk = self._steps[-1][1] + 1 if self._steps else 0
 
 
 @dataclass
@@ -536,7 +499,7 @@ class EpochTiming:
 
 def summarize(
     times: dict[str, list[float]], reference: Sequence[float] | None = None, confidence: float = 0.95,
-    reference_age: int = 0,
+    reference_age: int = 0, reference_chunks: Sequence[int] | None = None,
 ) -> EpochTiming:
     """One epoch's :class:`EpochTiming` from :meth:`StepTimer.collect`'s ``times``.
 
@@ -547,6 +510,8 @@ def summarize(
             own eager steps.
         confidence: Confidence level of the speedup's interval.
         reference_age: How many epochs old the newest step of ``reference`` is (:meth:`ReferencePool.age`).
+        reference_chunks: How many of ``reference``'s steps each of its chunks holds (:attr:`ReferencePool.chunks`),
+            for the interval (:func:`~lightning_fuse.interval.speedup_interval`); ``None``: one chunk.
 
     Example::
 
@@ -556,7 +521,7 @@ def summarize(
     """
     compiled = times.get(COMPILED, [])
     eager = list(times.get(EAGER, []) if reference is None else reference)
-    point, low, high = speedup_interval(eager, compiled, confidence)
+    point, low, high = speedup_interval(eager, compiled, confidence, chunks=reference_chunks)
     return EpochTiming(
         step_ms=statistics.median(compiled) if compiled else None,
         eager_step_ms=statistics.median(eager) if eager else None,

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_fuse.interval import speedup_interval
 from lightning_fuse.profiling import _union_us
 from lightning_fuse.timing import (
     CHUNK,
@@ -22,7 +23,6 @@ from lightning_fuse.timing import (
     ReferencePool,
     StepTimer,
     affordable_reference,
-    speedup_interval,
     summarize,
 )
 
@@ -204,6 +204,36 @@ def test_the_interval_covers_the_true_speedup_in_nine_of_ten_trials(true_ratio, 
     assert covered >= 180, f"covered the truth in {covered} of 200 trials"
 
 
+def drifting_chunks(rng: np.random.Generator, median_ms: float, chunks: int, drift: float) -> list[np.ndarray]:
+    """``chunks`` chunks of CHUNK steps, each at a moment whose speed drifted (lognormal, ``drift``) from the run's
+    median, with a little noise within each: a shared machine between the moments of a reference."""
+    return [lognormal_steps(rng, median_ms * math.exp(rng.normal(0.0, drift)), CHUNK, sigma=0.03)
+            for _ in range(chunks)]  # fmt: skip
+
+
+def test_resampling_the_chunks_covers_a_speedup_that_drift_between_them_hides_from_a_resampling_of_steps():
+    covered = {"steps": 0, "chunks": 0}
+    for seed in range(100):
+        rng = np.random.default_rng(seed)
+        chunks = drifting_chunks(rng, 30.0, chunks=4, drift=0.1)
+        eager, compiled = np.concatenate(chunks), lognormal_steps(rng, 10.0, 300, sigma=0.03)
+        for name, sizes in (("steps", None), ("chunks", [CHUNK] * 4)):
+            _, low, high = speedup_interval(eager, compiled, chunks=sizes)
+            covered[name] += low <= 3.0 <= high
+    assert covered["chunks"] >= 80 and covered["chunks"] >= covered["steps"] + 10, covered
+
+
+def test_without_drift_resampling_the_chunks_costs_little_width():
+    rng = np.random.default_rng(0)
+    eager, compiled = np.concatenate(drifting_chunks(rng, 30.0, 4, drift=0.0)), lognormal_steps(rng, 10.0, 300, 0.03)
+    _, low, high = speedup_interval(eager, compiled)
+    point, chunked_low, chunked_high = speedup_interval(eager, compiled, chunks=[CHUNK] * 4)
+    assert chunked_low < point < chunked_high and chunked_high - chunked_low < 2 * (high - low)
+    assert speedup_interval(eager, compiled, chunks=[20]) == (point, low, high), "one chunk: the steps' bootstrap"
+    with pytest.raises(ValueError, match="hold 10 steps, but `eager_ms` has 20"):
+        speedup_interval(eager, compiled, chunks=[5, 5])
+
+
 def test_the_interval_narrows_with_more_steps():
     widths = []
     for n_eager, n_compiled in [(5, 50), (20, 200), (80, 800)]:
@@ -261,6 +291,26 @@ def test_the_reference_pool_keeps_the_last_chunks_so_the_median_follows_drift():
         ReferencePool(chunks=0)
 
 
+def test_the_pool_keeps_its_chunks_apart_so_the_interval_can_resample_the_moments():
+    pool = ReferencePool(chunks=3)
+    pool.add([30.0] * 5, epoch=0)
+    pool.add([33.0] * 4 + [36.0] * 5, epoch=1, runs=[4, 5])
+    pool.add([], epoch=2, runs=[])
+    assert pool.chunks == [5, 4, 5] and pool.samples[4:6] == [30.0, 33.0]
+    pool.add([39.0] * 3, epoch=3)  # the oldest chunk is cut to what is left of it
+    assert pool.chunks == [3, 4, 5, 3] and sum(pool.chunks) == len(pool.samples) == 15
+    restored = ReferencePool(chunks=3)
+    restored.load_state_dict(pool.state_dict())
+    assert restored.chunks == pool.chunks and restored.samples == pool.samples
+    restored.add([40.0], epoch=4)
+    assert restored.chunks[-1] == 1, "a restored pool numbers its next chunk after its newest"
+    old = ReferencePool(chunks=3)
+    old.load_state_dict({"steps": [[0, 30.0], [0, 31.0], [2, 35.0]]})  # a checkpoint from before chunks
+    assert old.chunks == [2, 1] and old.epochs == (0, 2)
+    with pytest.raises(ValueError, match="hold 4 steps, but `eager_ms` has 5"):
+        pool.add([30.0] * 5, epoch=5, runs=[2, 2])
+
+
 def test_the_pool_says_how_many_epochs_old_its_newest_chunk_is():
     pool = ReferencePool(chunks=1)
     assert pool.age(epoch=0) is None  # nothing measured yet: no age
@@ -296,6 +346,20 @@ def test_cpu_timer_times_each_step_to_the_next_start_by_kind():
     assert timing.speedup == pytest.approx(times[EAGER][0] / times[COMPILED][0])
 
 
+def test_the_timer_says_how_many_steps_each_run_of_one_kind_held():
+    timer = StepTimer(torch.device("cpu"))
+    for kind in (COMPILED, LEAD_IN, EAGER, EAGER, COMPILED, COMPILED, LEAD_IN, EAGER, EAGER, EAGER, SKIPPED, EAGER,
+                 COMPILED):  # fmt: skip
+        timer.start()
+        timer.stop(kind)
+    timer.start()
+    times = timer.collect()
+    assert timer.runs[EAGER] == [2, 3, 1] and timer.runs[COMPILED] == [1, 2, 1] and len(times[EAGER]) == 6
+    assert timer.runs[LEAD_IN] == [1, 1] and SKIPPED not in timer.runs, "the runs of the kinds collected"
+    timer.collect()
+    assert timer.runs == {}
+
+
 def test_cpu_timer_leaves_interrupted_and_unfinished_steps_untimed():
     timer = StepTimer(torch.device("cpu"))
     timer.stop(EAGER)  # a stop before any start is ignored
@@ -326,6 +390,8 @@ def test_summarize_compares_with_the_pooled_reference_and_measures_its_cost():
     assert timing.eager_step_ms == 31.0 and timing.eager_steps == 5 and timing.speedup == pytest.approx(3.1)
     assert timing.speedup_low <= 3.1 <= timing.speedup_high
     assert timing.reference_cost == pytest.approx(96.0 / (80.0 + 96.0 + 1000.0))
+    drifted = summarize(times, reference=[29.0, 30.0, 31.0, 35.0, 36.0, 37.0], reference_chunks=[3, 3])
+    assert drifted.speedup_high - drifted.speedup_low > 0.5, "two moments 6 ms apart: the interval spans both"
     empty = summarize({})
     assert empty.speedup is None and empty.speedup_low is None and empty.reference_cost is None
 
