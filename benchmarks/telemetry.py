@@ -12,8 +12,10 @@ pooled eager reference steps (the eager side of its last epoch's speedup) over t
 the last epoch: 1 when the in-run reference runs as fast as plain eager (``optimizer``: every fit's AdamW, fused or
 as torch chooses); ``reference_age`` is how many epochs old
 that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager_ratio_low``/``eager_ratio_high``
-is its 95% interval, and ``reference_steps`` how many reference steps it has. A default reference has a handful,
-too few to see a 3% difference in host-bound eager steps, so the dense fit measures the same ratio from many
+is its 95% interval, ``reference_steps`` how many reference steps it has and ``reference_chunks`` in how many
+chunks (moments of the run) they came, which the logged interval resamples where there are two or more. A
+default reference has a handful, too few to see a 3% difference in host-bound eager steps, so the dense fit
+measures the same ratio from many
 (``eager_ratio_dense``, with its interval), and ``eager_fits_ratio`` (the second eager-only fit's median step over
 the first's) says how far two plain eager fits of one process agree. On the GPU:
 
@@ -35,7 +37,7 @@ from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
           "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
-          "eager_ratio_high", "reference_steps", "eager_ratio_dense", "eager_ratio_dense_low",
+          "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense", "eager_ratio_dense_low",
           "eager_ratio_dense_high", "eager_fits_ratio", "reference_age", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
@@ -58,10 +60,11 @@ def interval(numerator: list[float], denominator: list[float]) -> tuple[float | 
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
-def reference_steps(callbacks: list) -> list[float]:
-    """The FuseCallback's pooled eager reference steps (ms) at the fit's end; ``[]`` without a FuseCallback."""
+def reference_steps(callbacks: list) -> tuple[list[float], int]:
+    """The FuseCallback's pooled eager reference steps (ms) at the fit's end, and how many chunks they came in;
+    ``([], 0)`` without a FuseCallback."""
     fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
-    return fuse.fit.pool.samples if fuse is not None else []
+    return (fuse.fit.pool.samples, len(fuse.fit.pool.chunks)) if fuse is not None else ([], 0)
 
 
 def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float | None:
@@ -80,12 +83,12 @@ def measure(spec: dict) -> dict:
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
         fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks,
                                     max_epochs=epochs), **models.fuse_info(callbacks),
-                      "reference_ms": reference_steps(callbacks)}  # fmt: skip
+                      "reference": reference_steps(callbacks)}  # fmt: skip
     last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
-    reference, dense = fits["fuse"]["reference_ms"], fits["fuse_dense"]["reference_ms"]
+    (reference, chunks), (dense, _) = fits["fuse"]["reference"], fits["fuse_dense"]["reference"]
     in_run_low, in_run_high = interval(reference, eager)
     dense_low, dense_high = interval(dense, eager)
     return {
@@ -95,6 +98,7 @@ def measure(spec: dict) -> dict:
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
         "eager_ratio_in_run": ratio_of_medians(reference, eager), "eager_ratio_low": in_run_low,
         "eager_ratio_high": in_run_high, "reference_steps": len(reference),
+        "reference_chunks": chunks,
         "eager_ratio_dense": ratio_of_medians(dense, eager), "eager_ratio_dense_low": dense_low,
         "eager_ratio_dense_high": dense_high,
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
