@@ -18,11 +18,12 @@ split-K reductions kept in float32 (torch lets them round to bf16 by default; co
 less often, and ``gradients.py`` finds its gradients closer to full precision than eager's). ``--seed`` starts
 the models and batches from another seed (a record's ``seed``; ``--losses`` holds each seed against its own eager),
 so that one trajectory is not taken for a rule. The default fit memorises four random batches, and a change of
-rounding can reroute its curve anywhere (``benchmarks/RESULTS.md``). ``--data markov`` trains a causal LM on batches of
-Markov-chain text instead, a new one at every step of an epoch (``models.markov_batches``), and ``--scheduler`` warms its learning rate up:
-a fit that learns (a record's ``data`` and ``scheduler``; ``--losses`` holds each fit to its own eager, then
-every variant to full precision). The variant ``fuse_idle`` is ``FuseCallback(targets=[])``, the
-callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its NVML sampler);
+rounding can reroute its curve anywhere (``benchmarks/RESULTS.md``). ``--data markov`` trains a causal LM on
+batches of Markov-chain text instead, a new one at every step of an epoch (``models.markov_batches``), and
+``--scheduler`` warms its learning rate up: a fit that learns (a record's ``data`` and ``scheduler``; ``--losses``
+holds each fit to its own eager, then every variant to full precision). The variant ``fuse_idle`` is
+``FuseCallback(targets=[])``, the callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its
+NVML sampler);
 ``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, and
 ``fuse_forced_graph`` forces the whole network compiled under one graph without a search
 (``fuse_forced_graph_noref``: and without eager reference steps; ``fuse_forced_compile``: the same schedule with
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--losses", type=Path, help="print each variant's loss gap to eager from these records, and stop")
     p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
     p.add_argument("--data", choices=("random", "markov"), default="random",
-                   help="random batches cycled (the default), or fresh batches of Markov text (causal LMs)")
+                   help="random batches cycled (the default), or Markov text: a new batch each step of an epoch "
+                        "(causal LMs)")
     p.add_argument("--scheduler", action="store_true", help="a warmup-then-cosine learning rate, stepped each step")
     args = p.parse_args(argv)
     if args.losses:

@@ -60,7 +60,7 @@ def interval(numerator: list[float], denominator: list[float]) -> tuple[float | 
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
-def reference_steps(callbacks: list) -> tuple[list[float], int]:
+def pooled_reference(callbacks: list) -> tuple[list[float], int]:
     """The FuseCallback's pooled eager reference steps (ms) at the fit's end, and how many chunks they came in;
     ``([], 0)`` without a FuseCallback."""
     fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
@@ -83,7 +83,7 @@ def measure(spec: dict) -> dict:
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
         fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks,
                                     max_epochs=epochs), **models.fuse_info(callbacks),
-                      "reference": reference_steps(callbacks)}  # fmt: skip
+                      "reference": pooled_reference(callbacks)}  # fmt: skip
     last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
