@@ -49,6 +49,10 @@ LOSS_WINDOW = 10
 WITHIN_RATIO = 2.0
 """Held to full precision, a variant may lie up to this many times as far from it as eager does: another correct
 rounding, not a defect (``gradients.py``'s steps, ``multi_gpu.py``'s loss curves)."""
+BF16_RTOL = 0.016
+"""The least relative gap that counts as beyond bf16's tolerance: ``torch.testing.assert_close``'s default
+``rtol`` for ``bfloat16``. Where two references agree more closely than that, a tolerance taken from their gap
+alone would call a rounding difference a defect (``multi_gpu.py``'s loss curves)."""
 
 
 def environment() -> dict[str, str]:

@@ -163,7 +163,8 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
     ``against="eager"``: the issue's yardstick, eager in the fit's precision; a variant is within bf16's tolerance
     where its gap is at most ``eager_fp32``'s. ``against="eager_fp32"``: full precision, the reference
     ``gradients.py`` holds each step to; a variant is within where it lies at most ``harness.WITHIN_RATIO`` times
-    as far from it as eager does (eager's own bf16 rounding can be what parts the two curves).
+    as far from it as eager does (eager's own bf16 rounding can be what parts the two curves). Either tolerance is
+    at least ``harness.BF16_RTOL``, bf16's own, where the two references agree more closely than that.
 
     Example::
 
@@ -192,7 +193,8 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         gap = {v: _gap(newest[(*case, v)]["loss_curves"], reference["loss_curves"]) for v in [judge, *others]
                if (*case, v) in newest}  # fmt: skip
         judged = gap.get(judge)
-        tolerance = None if judged is None else judged if against == "eager" else judged * harness.WITHIN_RATIO
+        scale = 1.0 if against == "eager" else harness.WITHIN_RATIO
+        tolerance = None if judged is None else max(harness.BF16_RTOL, scale * judged)
         cells = [f"{gap[v]:.2f}" + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
                  if v in gap else "-" for v in others]  # fmt: skip
         lines.append(f"| {' | '.join(map(str, case))} | {'-' if judged is None else f'{judged:.2f}'} | "

@@ -177,8 +177,12 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
         if record["eager_ratio_dense"] is not None:
             assert record["eager_ratio_dense_low"] <= record["eager_ratio_dense"] <= record["eager_ratio_dense_high"]
+    positions = record["eager_ratio_by_position"]
+    assert positions is None or all(ratio > 0 for ratio in positions)
     low, high = telemetry.interval([10.0, 11.0, 12.0, 10.5], [5.0, 5.5, 5.2, 5.1])
     assert 1.5 < low <= high < 2.5
+    assert telemetry.by_position([9.0, 30.0, 20.0, 32.0, 20.0], [1, 2, 2], [20.0]) == [1.55, 1.0]
+    assert telemetry.by_position([30.0, 20.0], [2], [20.0]) is None, "one chunk: nothing to compare"
 
 
 def test_whole_step_and_overhead(tmp_path: Path, in_process) -> None:
@@ -372,6 +376,17 @@ def test_a_variant_closer_to_full_precision_than_eager_is_within_against_full_pr
     against_fp32 = multi_gpu.loss_gaps(records, against="eager_fp32").splitlines()
     assert against_fp32[0] == "| model | strategy | batch | seed | fit | device | eager | compile | fuse |"
     assert against_fp32[-1] == "| gpt | ddp | 8 | 0 | random | - | 0.20 | 0.50 (beyond) | 0.05 (within) |"
+
+
+def test_where_eager_and_full_precision_agree_closer_than_bf16_a_gap_within_bf16s_tolerance_is_within() -> None:
+    import multi_gpu
+
+    curves = {"eager": [4.0, 2.0], "eager_fp32": [4.0, 2.001], "fuse": [4.0, 2.006], "compile": [4.0, 2.05]}
+    records = [{"model": "gpt", "strategy": "ddp", "batch_size": 8, "variant": variant, "loss_curves": [curve]}
+               for variant, curve in curves.items()]  # fmt: skip
+    for against in ("eager", "eager_fp32"):
+        row = multi_gpu.loss_gaps(records, against=against).splitlines()[-1]
+        assert row.endswith("| 0.02 (beyond) | 0.00 (within) |"), (against, row)
 
 
 def test_markov_text_has_the_chains_structure_and_only_causal_lms_take_it() -> None:
