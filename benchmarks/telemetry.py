@@ -15,9 +15,10 @@ that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager
 is its 95% interval, ``reference_steps`` how many reference steps it has and ``reference_chunks`` in how many
 chunks (moments of the run) they came, which the logged interval resamples where there are two or more. A
 default reference has a handful, too few to see a 3% difference in host-bound eager steps, so the dense fit
-measures the same ratio from many
-(``eager_ratio_dense``, with its interval), and ``eager_fits_ratio`` (the second eager-only fit's median step over
-the first's) says how far two plain eager fits of one process agree. On the GPU:
+measures the same ratio from many (``eager_ratio_dense``, with its interval, and ``eager_ratio_by_position``: the
+same ratio for the first timed step of each chunk after its lead-in, for the second, and so on), and
+``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
+of one process agree. On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
@@ -38,7 +39,7 @@ from lightning_fuse import FuseCallback
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
           "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
           "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense", "eager_ratio_dense_low",
-          "eager_ratio_dense_high", "eager_fits_ratio", "reference_age", "error")  # fmt: skip
+          "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio", "reference_age", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 
@@ -60,11 +61,28 @@ def interval(numerator: list[float], denominator: list[float]) -> tuple[float | 
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
-def pooled_reference(callbacks: list) -> tuple[list[float], int]:
-    """The FuseCallback's pooled eager reference steps (ms) at the fit's end, and how many chunks they came in;
-    ``([], 0)`` without a FuseCallback."""
+def pooled_reference(callbacks: list) -> tuple[list[float], list[int]]:
+    """The FuseCallback's pooled eager reference steps (ms) at the fit's end, and how many of them each chunk
+    holds, oldest first; ``([], [])`` without a FuseCallback."""
     fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
-    return (fuse.fit.pool.samples, len(fuse.fit.pool.chunks)) if fuse is not None else ([], 0)
+    return (fuse.fit.pool.samples, fuse.fit.pool.chunks) if fuse is not None else ([], [])
+
+
+def by_position(steps: list[float], chunks: list[int], eager: list[float]) -> list[float] | None:
+    """The median of each chunk's first timed step, of its second and so on, over ``median(eager)``: whether the
+    eager steps right after a switch from the plan run slower than the later ones. The oldest chunk is left out
+    (the pool may have cut its first steps); ``None`` without two chunks or an eager step.
+
+    Example::
+
+        >>> by_position([9, 9, 30, 20, 20, 32, 20, 22], [2, 3, 3], [20.0])  # the oldest chunk (9, 9) left out
+        [1.55, 1.0, 1.05]
+    """
+    if len(chunks) < 2 or not eager:
+        return None
+    kept, starts = steps[chunks[0]:], [sum(chunks[1:i]) for i in range(1, len(chunks))]
+    columns = [[kept[start + i] for start, size in zip(starts, chunks[1:]) if i < size] for i in range(max(chunks))]
+    return [statistics.median(column) / statistics.median(eager) for column in columns if column]
 
 
 def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float | None:
@@ -88,7 +106,7 @@ def measure(spec: dict) -> dict:
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
-    (reference, chunks), (dense, _) = fits["fuse"]["reference"], fits["fuse_dense"]["reference"]
+    (reference, chunks), (dense, dense_chunks) = fits["fuse"]["reference"], fits["fuse_dense"]["reference"]
     in_run_low, in_run_high = interval(reference, eager)
     dense_low, dense_high = interval(dense, eager)
     return {
@@ -98,9 +116,9 @@ def measure(spec: dict) -> dict:
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
         "eager_ratio_in_run": ratio_of_medians(reference, eager), "eager_ratio_low": in_run_low,
         "eager_ratio_high": in_run_high, "reference_steps": len(reference),
-        "reference_chunks": chunks,
+        "reference_chunks": len(chunks),
         "eager_ratio_dense": ratio_of_medians(dense, eager), "eager_ratio_dense_low": dense_low,
-        "eager_ratio_dense_high": dense_high,
+        "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
         "reference_age": history.get("fuse/reference_age"),
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),
