@@ -195,9 +195,9 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         judged = gap.get(judge)
         scale = 1.0 if against == "eager" else harness.WITHIN_RATIO
         tolerance = None if judged is None else max(harness.BF16_RTOL, scale * judged)
-        cells = [f"{gap[v]:.2f}" + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
+        cells = [_figure(gap[v]) + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
                  if v in gap else "-" for v in others]  # fmt: skip
-        lines.append(f"| {' | '.join(map(str, case))} | {'-' if judged is None else f'{judged:.2f}'} | "
+        lines.append(f"| {' | '.join(map(str, case))} | {'-' if judged is None else _figure(judged)} | "
                      + " | ".join(cells) + " |")  # fmt: skip
     return "\n".join(lines)
 
@@ -205,6 +205,11 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
 def _fit(record: dict) -> str:
     """What a record's fit trains on: ``random`` (batches cycled) or ``markov`` text, ``+lr`` with the scheduler."""
     return (record.get("data") or "random") + ("+lr" if record.get("scheduler") else "")
+
+
+def _figure(gap: float) -> str:
+    """A gap to two decimals, or to two significant digits below 0.01 (where two decimals would read 0.00)."""
+    return f"{gap:.2f}" if gap >= 0.01 or gap == 0 else f"{gap:.2g}"
 
 
 def _gap(curves: list[list[float]], eager: list[list[float]]) -> float:

@@ -384,9 +384,10 @@ def test_where_eager_and_full_precision_agree_closer_than_bf16_a_gap_within_bf16
     curves = {"eager": [4.0, 2.0], "eager_fp32": [4.0, 2.001], "fuse": [4.0, 2.006], "compile": [4.0, 2.05]}
     records = [{"model": "gpt", "strategy": "ddp", "batch_size": 8, "variant": variant, "loss_curves": [curve]}
                for variant, curve in curves.items()]  # fmt: skip
-    for against in ("eager", "eager_fp32"):
-        row = multi_gpu.loss_gaps(records, against=against).splitlines()[-1]
-        assert row.endswith("| 0.02 (beyond) | 0.00 (within) |"), (against, row)
+    rows = {against: multi_gpu.loss_gaps(records, against=against).splitlines()[-1]
+            for against in ("eager", "eager_fp32")}  # fmt: skip
+    assert rows["eager"].endswith("| 0.0005 | 0.02 (beyond) | 0.003 (within) |"), "gaps under 0.01 keep two digits"
+    assert rows["eager_fp32"].endswith("| 0.0005 | 0.02 (beyond) | 0.0025 (within) |")
 
 
 def test_markov_text_has_the_chains_structure_and_only_causal_lms_take_it() -> None:
