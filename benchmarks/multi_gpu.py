@@ -183,6 +183,7 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
             newest[(*case, record.get("variant"))] = record
     cases = sorted({key[:6] for key in newest}, key=str)
     judge = "eager_fp32" if against == "eager" else "eager"  # the variant whose gap sets the tolerance
+    scale = 1.0 if against == "eager" else harness.WITHIN_RATIO  # how many times that gap it is
     others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[6] == v for key in newest)]
     header = ["model", "strategy", "batch", "seed", "fit", "device", judge, *others]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
@@ -193,7 +194,6 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         gap = {v: _gap(newest[(*case, v)]["loss_curves"], reference["loss_curves"]) for v in [judge, *others]
                if (*case, v) in newest}  # fmt: skip
         judged = gap.get(judge)
-        scale = 1.0 if against == "eager" else harness.WITHIN_RATIO
         tolerance = None if judged is None else max(harness.BF16_RTOL, scale * judged)
         cells = [_figure(gap[v]) + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
                  if v in gap else "-" for v in others]  # fmt: skip

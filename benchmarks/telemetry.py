@@ -81,9 +81,10 @@ def by_position(steps: list[float], chunks: list[int], eager: list[float]) -> li
     """
     if len(chunks) < 2 or not eager:
         return None
-    kept, starts = steps[chunks[0]:], [sum(chunks[1:i]) for i in range(1, len(chunks))]
-    columns = [[kept[start + i] for start, size in zip(starts, chunks[1:]) if i < size] for i in range(max(chunks))]
-    return [statistics.median(column) / statistics.median(eager) for column in columns if column]
+    kept = iter(steps[chunks[0]:])
+    rows = [[next(kept) for _ in range(size)] for size in chunks[1:]]
+    columns = [[row[i] for row in rows if i < len(row)] for i in range(max(chunks[1:]))]
+    return [statistics.median(column) / statistics.median(eager) for column in columns]
 
 
 def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float | None:
