@@ -139,6 +139,7 @@ class FitState:
         self.step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.schedule.is_lead_in(self.steps):
             self.step_kind = LEAD_IN  # untimed, but part of the reference's cost
+            self.timer.wait_for_device()  # the chunk's timed steps then run at eager's pace, not the plan's queue's
         if length_fn is not None:
             items = count_items(length_fn, batch)  # every batch, so a bad length_fn fails on the first
             if self.step_kind != SKIPPED:

@@ -36,7 +36,8 @@ from lightning_fuse.options import REFERENCE_BUDGET, check_reference_budget
 COMPILED = "compiled"
 EAGER = "eager"
 LEAD_IN = "lead_in"
-"""The untimed eager step before each chunk of the reference: part of the reference's cost, never of a median."""
+"""The untimed eager step before each chunk of the reference, which starts on an idle device
+(:meth:`StepTimer.wait_for_device`): part of the reference's cost, never of a median."""
 SKIPPED = "skipped"
 """Kinds of step. Skipped steps (warmup, compiling, partial batches, profiling) never enter a median."""
 _INTERRUPTED = "interrupted"  # something that is not training (validation) ran inside it: never reported
@@ -82,6 +83,17 @@ class StepTimer:
             missing = min(steps, 4096) - len(self._free_events)
             self._free_events += [torch.cuda.Event(enable_timing=True) for _ in range(max(0, missing))]
             self._stream = torch.cuda.current_stream()
+
+    def wait_for_device(self) -> None:
+        """Wait until the device has run all the work queued so far (CUDA; nothing elsewhere).
+
+        Marks are timed where the device reaches them. A plan step that keeps the GPU busier than the host leaves
+        work queued behind it, and an eager step right after it would be timed as the queue drains, faster than
+        eager runs on its own: on an H100 a GPT's first eager steps after a graph replay read 4.9 ms against eager's
+        11 ms (``benchmarks/RESULTS.md``). Call it at a reference chunk's untimed first step.
+        """
+        if self._cuda:
+            torch.cuda.synchronize()
 
     def start(self) -> None:
         """Mark the start of a step, which is also the end of the one before."""

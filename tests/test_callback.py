@@ -186,6 +186,15 @@ def test_eager_steps_run_the_plain_modules_first_before_anything_compiles_then_i
     assert all(b._compiled_call_impl is None for b in task.model.blocks)  # and after fit, nothing left installed
 
 
+def test_each_reference_chunk_starts_on_a_device_with_nothing_queued(monkeypatch):
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
+    waits = []  # the fit step at each wait: a plan step's queued GPU work must not be timed as eager's
+    monkeypatch.setattr(StepTimer, "wait_for_device", lambda timer: waits.append(fuse.fit.steps))
+    fit([fuse], epochs=1, samples=640)  # 40 steps: 3 eager, then one chunk of 1 + 5 eager steps
+    lead_ins = [step for step in range(fuse.fit.steps) if fuse.fit.schedule.is_lead_in(step)]
+    assert waits == lead_ins and len(lead_ins) == 1
+
+
 def slow_backend(gm, example_inputs):
     """A compiler whose code is right but slow: every call sleeps 20 ms (far above a busy machine's jitter)."""
 
