@@ -30,7 +30,9 @@ and as a measured choice:
   trains differently for it.
 - **Kept by measurement.** After the capture, whole steps alternate in blocks between the replay and the eager
   update (:class:`~lightning_fuse.optimizer_trial.Trial`); the graph stays only where the median whole step is
-  below :data:`~lightning_fuse.optimizer_trial.KEEP_BELOW` of eager's.
+  below :data:`~lightning_fuse.optimizer_trial.KEEP_BELOW` of eager's. Each eager block starts on an idle device
+  (:meth:`~lightning_fuse.timing.StepTimer.wait_for_device`), or the GPU work the replays left queued would be
+  timed as the eager update's steps.
   With several processes, rank zero's trial decides for every rank (:func:`settle_together`): a rank that kept its
   graph and one that dropped it would update with different kernels, and their parameters would drift apart.
 
@@ -371,8 +373,10 @@ class OptimizerGraph:
         if self._last_mode is not None and self.enabled and self.replays and not self._untimed_step:
             self._timer.stop(self._last_mode)
         self._untimed_step = False
-        self._timer.start()
         self.trial.advance(self._last_mode == GRAPH)
+        if self._last_mode == GRAPH and not self.trial.wants_graph():
+            self._timer.wait_for_device()  # an eager block is timed at its own pace, not as the replays' queue drains
+        self._timer.start()
         if self.trial.due():
             times = self._timer.collect()
             self.trial.measure(times.get(GRAPH, []), times.get(EAGER, []))

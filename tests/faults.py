@@ -135,9 +135,13 @@ class FakeTimer:
     def __init__(self, graph_ms: float, eager_ms: float) -> None:
         self.times = {GRAPH: graph_ms, EAGER: eager_ms}
         self.kinds: list[str] = []
+        self.waits = 0  # wait_for_device calls
 
     def start(self) -> None:
         pass
+
+    def wait_for_device(self) -> None:
+        self.waits += 1
 
     def stop(self, kind: str) -> None:
         self.kinds.append(kind)

@@ -284,6 +284,17 @@ def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_m
     assert ("kept at 0.80x" in graph.describe()) if kept else ("dropped at 1.00x" in graph.describe())
 
 
+def test_each_eager_block_of_the_trial_starts_on_a_device_with_nothing_queued():
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
+    timer = FakeTimer(4.0, eager_ms=5.0)
+    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=timer)
+    graph.install()
+    for _ in range(1 + 2 * TRIAL_BLOCKS * BLOCK_STEPS + 10):  # the eager warm-up, the trial, 10 steps after it
+        step(net, optimizer)
+    assert graph.trial.decided and timer.waits == TRIAL_BLOCKS  # one wait where each replayed block gives way
+
+
 def test_steps_that_compiled_or_recorded_a_graph_are_left_out_of_the_trial():
     """Every other step records (the fit says so at its end): only the others are timed."""
     net = torch.nn.Linear(2, 1)
