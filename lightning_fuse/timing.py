@@ -90,7 +90,8 @@ class StepTimer:
         Marks are timed where the device reaches them. A plan step that keeps the GPU busier than the host leaves
         work queued behind it, and an eager step right after it would be timed as the queue drains, faster than
         eager runs on its own: on an H100 a GPT's first eager steps after a graph replay read 4.9 ms against eager's
-        11 ms (``benchmarks/RESULTS.md``). Call it at a reference chunk's untimed first step.
+        11 ms (``benchmarks/RESULTS.md``). Call it before the first of timed eager steps that follow plan steps: at a
+        reference chunk's untimed first step, and where the optimizer graph's trial turns to an eager block.
         """
         if self._cuda:
             torch.cuda.synchronize()
