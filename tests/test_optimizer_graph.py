@@ -270,12 +270,17 @@ def test_an_optimizer_with_step_hooks_is_not_captured():
     assert "step hooks" in OptimizerGraph.refusal(optimizer, None, on_cuda=True)
 
 
-@pytest.mark.parametrize(("graph_ms", "kept"), [(4.0, True), (5.0, False)])
-def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_ms, kept):
+def timed_graph(timer: FakeTimer) -> tuple[torch.nn.Linear, torch.optim.Optimizer, OptimizerGraph]:
     net = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
-    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=FakeTimer(graph_ms, eager_ms=5.0))
+    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=timer)
     graph.install()
+    return net, optimizer, graph
+
+
+@pytest.mark.parametrize(("graph_ms", "kept"), [(4.0, True), (5.0, False)])
+def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_ms, kept):
+    net, optimizer, graph = timed_graph(FakeTimer(graph_ms, eager_ms=5.0))
     for _ in range(1 + 2 * TRIAL_BLOCKS * BLOCK_STEPS + 10):  # the eager warm-up, the trial, 10 steps after it
         step(net, optimizer)
     assert graph.trial.decided and graph.trial.keep is kept
@@ -285,11 +290,8 @@ def test_the_trial_keeps_the_graph_only_where_whole_steps_measure_faster(graph_m
 
 
 def test_each_eager_block_of_the_trial_starts_on_a_device_with_nothing_queued():
-    net = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
     timer = FakeTimer(4.0, eager_ms=5.0)
-    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=timer)
-    graph.install()
+    net, optimizer, graph = timed_graph(timer)
     for _ in range(1 + 2 * TRIAL_BLOCKS * BLOCK_STEPS + 10):  # the eager warm-up, the trial, 10 steps after it
         step(net, optimizer)
     assert graph.trial.decided and timer.waits == TRIAL_BLOCKS  # one wait where each replayed block gives way
@@ -297,11 +299,7 @@ def test_each_eager_block_of_the_trial_starts_on_a_device_with_nothing_queued():
 
 def test_steps_that_compiled_or_recorded_a_graph_are_left_out_of_the_trial():
     """Every other step records (the fit says so at its end): only the others are timed."""
-    net = torch.nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, fused=True)
-    timer = FakeTimer(4.0, eager_ms=5.0)
-    graph = OptimizerGraph(optimizer, capture=fake_capture, timer=timer)
-    graph.install()
+    net, optimizer, graph = timed_graph(FakeTimer(4.0, eager_ms=5.0))
     for i in range(1 + 2 * TRIAL_BLOCKS * BLOCK_STEPS):
         step(net, optimizer)
         if i % 2:
