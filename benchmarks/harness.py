@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shlex
 import signal
 import statistics
@@ -223,6 +224,10 @@ class StepClock(pl.Callback):
     from ``started`` to the start of the first timed batch (synchronised). List the clock first among the
     callbacks, so that the other callbacks' per-step work falls inside the steps. The loss of the last
     :data:`LOSS_WINDOW` steps is kept (copied: a CUDA graph would overwrite it).
+
+    The host's side of each step is kept too, to tell a slower host from slower work: the main thread's CPU time
+    per step (``epoch_cpu_ms``, ``cpu_ms``: what the step asked of the host), and how often the kernel took the CPU
+    from that thread (``switches_per_step``, involuntary context switches; ``None`` off Linux).
     """
 
     def __init__(self, warmup: int, started: float) -> None:
@@ -230,8 +235,11 @@ class StepClock(pl.Callback):
         self.batches = 0
         self.setup_s: float | None = None
         self.times: dict[str, list[float]] = {}
+        self.cpu_marks: list[tuple[str, float]] = []  # (the step's kind, the main thread's CPU time at its start)
         self.losses: deque[torch.Tensor] = deque(maxlen=LOSS_WINDOW)
         self.timer: StepTimer | None = None
+        self.switches_at_start: int | None = None  # involuntary context switches before the first timed step
+        self.switches: int | None = None  # and during the timed steps
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.timer = StepTimer(pl_module.device)
@@ -243,7 +251,11 @@ class StepClock(pl.Callback):
                 torch.cuda.synchronize()  # the setup ends when the warmup's work is done, not when it is queued
             self.setup_s = time.perf_counter() - self.started
         self.timer.start()
-        self.timer.stop(str(trainer.current_epoch) if self.batches >= self.warmup else SKIPPED)
+        kind = str(trainer.current_epoch) if self.batches >= self.warmup else SKIPPED
+        self.timer.stop(kind)
+        self.cpu_marks.append((kind, time.thread_time()))
+        if self.batches == self.warmup:
+            self.switches_at_start = involuntary_switches()
         self.batches += 1
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -254,16 +266,55 @@ class StepClock(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.times = self.timer.collect()
+        start = self.switches_at_start
+        self.switches = involuntary_switches() - start if start is not None and start >= 0 else None
 
     def result(self) -> dict[str, Any]:
         steps = [ms for epoch in sorted(self.times, key=int) for ms in self.times[epoch]]
         losses = [float(loss) for loss in self.losses]
         quartiles = statistics.quantiles(steps, n=4) if len(steps) > 1 else [None, None, None]
+        cpu = self.cpu_per_epoch()
+        cpu_steps = [ms for epoch_cpu in cpu.values() for ms in epoch_cpu]
         return {"step_ms": statistics.median(steps) if steps else None, "steps": self.batches,
                 "step_ms_q1": quartiles[0], "step_ms_q3": quartiles[2],
                 "timed_steps": len(steps), "setup_s": self.setup_s,
                 "final_loss": statistics.mean(losses) if losses else None,
-                "epoch_ms": {int(epoch): ms for epoch, ms in self.times.items()}}  # fmt: skip
+                "epoch_ms": {int(epoch): ms for epoch, ms in self.times.items()}, "epoch_cpu_ms": cpu,
+                "cpu_ms": statistics.median(cpu_steps) if cpu_steps else None,
+                "switches_per_step": None if not cpu_steps or self.switches is None else self.switches / len(cpu_steps)}
+
+    def cpu_per_epoch(self) -> dict[int, list[float]]:
+        """The main thread's CPU milliseconds of each timed step, by epoch; like the step times, a step runs from
+        its batch's start to the next one's, so the last step (no next start) is left out."""
+        cpu: dict[int, list[float]] = {}
+        for (kind, begin), (_, end) in zip(self.cpu_marks, self.cpu_marks[1:]):
+            if kind != SKIPPED:
+                cpu.setdefault(int(kind), []).append((end - begin) * 1e3)
+        return cpu
+
+
+def involuntary_switches() -> int:
+    """How often, so far, the kernel took the CPU from this thread while it could still run (-1 where
+    ``RUSAGE_THREAD`` is missing, off Linux): another process or thread wanted the core."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_nivcsw if who is not None else -1
+
+
+def host_spin_ms(repeats: int = 5) -> float:
+    """The median milliseconds of a fixed pure-Python workload: this host's speed for Python at this moment, the
+    yardstick of host-bound steps (a fit's steps and this spin slow down together when the host does).
+
+    Example::
+
+        >>> host_spin_ms() > 0
+        True
+    """
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sum(i * i for i in range(50_000))
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
 
 
 def fit(task: pl.LightningModule, loader: Any, *, steps: int, warmup: int, callbacks: Sequence[pl.Callback] = (),
@@ -272,9 +323,10 @@ def fit(task: pl.LightningModule, loader: Any, *, steps: int, warmup: int, callb
 
     The Trainer runs ``precision="bf16-mixed"`` on CUDA (``32-true`` elsewhere), no logger, checkpoints,
     progress bar or validation; ``trainer_kw`` overrides any of that. ``peak_gb`` is CUDA's peak allocation
-    over the fit; ``wall_s`` the fit's duration.
+    over the fit; ``wall_s`` the fit's duration; ``spin_ms`` the host's speed just before it (:func:`host_spin_ms`).
     """
     cuda = torch.cuda.is_available() and trainer_kw.get("accelerator", "auto") != "cpu"
+    spin_ms = host_spin_ms()
     clock = StepClock(warmup, started if started is not None else time.perf_counter())
     options = {"accelerator": "auto", "devices": 1, "precision": "bf16-mixed" if cuda else "32-true",
                "max_steps": steps, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
@@ -288,7 +340,7 @@ def fit(task: pl.LightningModule, loader: Any, *, steps: int, warmup: int, callb
         error = describe(err)
     wall_s = time.perf_counter() - start
     peak_gb = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    return {**clock.result(), "wall_s": wall_s, "peak_gb": peak_gb, "error": error}
+    return {**clock.result(), "wall_s": wall_s, "peak_gb": peak_gb, "spin_ms": spin_ms, "error": error}
 
 
 def read_records(path: Path | str) -> list[dict]:

@@ -18,7 +18,10 @@ default reference has a handful, too few to see a 3% difference in host-bound ea
 measures the same ratio from many (``eager_ratio_dense``, with its interval, and ``eager_ratio_by_position``: the
 same ratio for the first timed step of each chunk after its lead-in, for the second, and so on), and
 ``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
-of one process agree. On the GPU:
+of one process agree. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main
+thread's CPU time per step (what each step asked of the host), ``spin_ms_by_fit`` the host's speed for Python just
+before each of the five fits, in their order (:func:`harness.host_spin_ms`), and ``switches_by_fit`` how often a
+step of each lost its core to another thread or process (involuntary context switches per step). On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
@@ -39,8 +42,8 @@ from lightning_fuse import FuseCallback
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
           "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
           "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense", "eager_ratio_dense_low",
-          "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio", "reference_age",
-          "error")  # fmt: skip
+          "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio", "eager_fits_cpu_ratio",
+          "spin_ms_by_fit", "switches_by_fit", "reference_age", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 
@@ -105,6 +108,7 @@ def measure(spec: dict) -> dict:
                                     max_epochs=epochs), **models.fuse_info(callbacks),
                       "reference": pooled_reference(callbacks)}  # fmt: skip
     last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
+    cpu = {name: fit["epoch_cpu_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
@@ -122,6 +126,9 @@ def measure(spec: dict) -> dict:
         "eager_ratio_dense": ratio_of_medians(dense, eager), "eager_ratio_dense_low": dense_low,
         "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
+        "eager_fits_cpu_ratio": ratio_of_medians(cpu["eager_2"], cpu["eager_1"]),
+        "spin_ms_by_fit": [fit["spin_ms"] for fit in fits.values()],
+        "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"),
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),
     }  # fmt: skip

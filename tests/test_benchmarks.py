@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import resource
 import subprocess
 import sys
 import time
@@ -172,7 +173,9 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     assert record["independent"] > 0 and record["reference_cost"] is not None
     if record["logged"] is not None:  # the logged history was read: its last epoch says how old its reference is
         assert record["reference_age"] >= 0 and record["eager_ratio_in_run"] > 0
-    assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0
+    assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0 and record["eager_fits_cpu_ratio"] > 0
+    assert len(record["spin_ms_by_fit"]) == 5 and all(ms > 0 for ms in record["spin_ms_by_fit"])
+    assert len(record["switches_by_fit"]) == 5
     if importlib.util.find_spec("scipy"):
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
         if record["eager_ratio_dense"] is not None:
@@ -251,6 +254,30 @@ def test_runner_budget_weighs_each_kind_of_process_by_its_own_kind(tmp_path: Pat
     assert runner.launch(str(script), {"do": "nap"}, kind="cold")["error"] is None  # 3 s of the 5
     assert runner.launch(str(script), {"do": "ok"})["error"] is None  # no warm one yet: it runs
     assert runner.launch(str(script), {"do": "nap"}, kind="cold")["error"].startswith("skipped:")
+
+
+def test_step_clock_keeps_the_host_side_of_each_step() -> None:
+    """The main thread's CPU time per step follows the work the step asks of the host: 20 ms of CPU burnt in the
+    training step add to it, where 20 ms of sleep add only to the step's time."""
+
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    results = {}
+    for name, wait in (("burns", burn), ("sleeps", time.sleep)):
+        task, loader = models.build("gpt", 2, smoke=True, length=6)
+        loss_fn = task.loss_fn
+        task.loss_fn = lambda model, batch, wait=wait, loss_fn=loss_fn: (wait(0.02), loss_fn(model, batch))[1]
+        results[name] = harness.fit(task, loader, steps=6, warmup=1, accelerator="cpu")
+    burns, sleeps = results["burns"], results["sleeps"]
+    assert len(burns["epoch_cpu_ms"][0]) == burns["timed_steps"] == 4, "timed steps less the last, as epoch_ms"
+    assert burns["cpu_ms"] - sleeps["cpu_ms"] > 10, (burns["cpu_ms"], sleeps["cpu_ms"])
+    assert sleeps["step_ms"] - sleeps["cpu_ms"] > 10, (sleeps["step_ms"], sleeps["cpu_ms"])
+    assert burns["spin_ms"] > 0
+    switches = burns["switches_per_step"]
+    assert switches is None if not hasattr(resource, "RUSAGE_THREAD") else switches >= 0
 
 
 def test_fit_turns_an_exception_into_error() -> None:
