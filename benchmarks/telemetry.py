@@ -5,7 +5,9 @@ For each model, batch and epoch length: an eager-only fit, a ``FuseCallback()`` 
 ``--epochs`` epochs from the same seed. ``logged`` is the
 ``FuseCallback()`` fit's last epoch's ``speedup`` (``speedup_low``/``speedup_high`` where the callback logs
 them); ``independent`` is the eager-only fits' median step over the ``eager_steps=0`` fit's, in the last epoch,
-with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats.bootstrap``);
+with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats.bootstrap``), and
+``independent_adjacent`` the same ratio from the second eager-only fit alone, the one run right before the
+``eager_steps=0`` fit (the nearer moment of the host's);
 ``reference_cost`` is the ``FuseCallback()`` fit's last-epoch training time over the ``eager_steps=0`` fit's,
 minus 1 (what the reference steps cost). ``eager_ratio_in_run`` is the median of the ``FuseCallback()`` fit's
 pooled eager reference steps (the eager side of its last epoch's speedup) over the eager-only fits' median step in
@@ -19,9 +21,10 @@ measures the same ratio from many (``eager_ratio_dense``, with its interval, and
 same ratio for the first timed step of each chunk after its lead-in, for the second, and so on), and
 ``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
 of one process agree. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main
-thread's CPU time per step (what each step asked of the host), ``spin_ms_by_fit`` the host's speed for Python just
-before each of the five fits, in their order (:func:`harness.host_spin_ms`), and ``switches_by_fit`` how often a
-step of each lost its core to another thread or process (involuntary context switches per step). On the GPU:
+thread's CPU time per step (what each step asked of the host), ``spin_ms_by_fit`` the host's speed for Python
+just before each of the five fits, in their order, and after the last (:func:`harness.host_spin_ms`), and
+``switches_by_fit`` how often a step of each lost its core to another thread or process (involuntary context
+switches per step). On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
@@ -40,7 +43,7 @@ import numpy as np
 from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
-          "independent_low", "independent_high", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
+          "independent_low", "independent_high", "independent_adjacent", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
           "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense", "eager_ratio_dense_low",
           "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio", "eager_fits_cpu_ratio",
           "spin_ms_by_fit", "switches_by_fit", "reference_age", "error")  # fmt: skip
@@ -119,6 +122,7 @@ def measure(spec: dict) -> dict:
         "logged": history.get("fuse/speedup"), "logged_low": history.get("fuse/speedup_low"),
         "logged_high": history.get("fuse/speedup_high"),
         "independent": ratio_of_medians(eager, compiled), "independent_low": low, "independent_high": high,
+        "independent_adjacent": ratio_of_medians(last["eager_2"], compiled),
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
         "eager_ratio_in_run": ratio_of_medians(reference, eager), "eager_ratio_low": in_run_low,
         "eager_ratio_high": in_run_high, "reference_steps": len(reference),
@@ -127,7 +131,7 @@ def measure(spec: dict) -> dict:
         "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
         "eager_fits_cpu_ratio": ratio_of_medians(cpu["eager_2"], cpu["eager_1"]),
-        "spin_ms_by_fit": [fit["spin_ms"] for fit in fits.values()],
+        "spin_ms_by_fit": [*(fit["spin_ms"] for fit in fits.values()), harness.host_spin_ms()],
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"),
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),

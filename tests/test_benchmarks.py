@@ -174,7 +174,8 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     if record["logged"] is not None:  # the logged history was read: its last epoch says how old its reference is
         assert record["reference_age"] >= 0 and record["eager_ratio_in_run"] > 0
     assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0 and record["eager_fits_cpu_ratio"] > 0
-    assert len(record["spin_ms_by_fit"]) == 5 and all(ms > 0 for ms in record["spin_ms_by_fit"])
+    assert record["independent_adjacent"] > 0
+    assert len(record["spin_ms_by_fit"]) == 6 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "five and after"
     assert len(record["switches_by_fit"]) == 5
     if importlib.util.find_spec("scipy"):
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
