@@ -43,10 +43,10 @@ import numpy as np
 from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
-          "independent_low", "independent_high", "independent_adjacent", "reference_cost", "eager_ratio_in_run", "eager_ratio_low",
-          "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense", "eager_ratio_dense_low",
-          "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio", "eager_fits_cpu_ratio",
-          "spin_ms_by_fit", "switches_by_fit", "reference_age", "error")  # fmt: skip
+          "independent_low", "independent_high", "independent_adjacent", "reference_cost", "eager_ratio_in_run",
+          "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
+          "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
+          "eager_fits_cpu_ratio", "spin_ms_by_fit", "switches_by_fit", "reference_age", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 
