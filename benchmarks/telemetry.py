@@ -21,10 +21,11 @@ measures the same ratio from many (``eager_ratio_dense``, with its interval, and
 same ratio for the first timed step of each chunk after its lead-in, for the second, and so on), and
 ``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
 of one process agree. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main
-thread's CPU time per step (what each step asked of the host), ``spin_ms_by_fit`` the host's speed for Python
-just before each of the five fits, in their order, and after the last (:func:`harness.host_spin_ms`), and
-``switches_by_fit`` how often a step of each lost its core to another thread or process (involuntary context
-switches per step). On the GPU:
+thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_in_run`` and
+``eager_cpu_ratio_dense``: the reference steps', of every epoch, over the eager-only fits', of the last),
+``spin_ms_by_fit`` the host's speed for Python just before each of the five fits, in their order, and after the
+last (:func:`harness.host_spin_ms`), and ``switches_by_fit`` how often a step of each lost its core to another
+thread or process (involuntary context switches per step). On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
@@ -37,16 +38,19 @@ import statistics
 import sys
 
 import harness
+import lightning.pytorch as pl
 import models
 import numpy as np
 
 from lightning_fuse import FuseCallback
+from lightning_fuse.timing import EAGER
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
           "independent_low", "independent_high", "independent_adjacent", "reference_cost", "eager_ratio_in_run",
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
-          "eager_fits_cpu_ratio", "spin_ms_by_fit", "switches_by_fit", "reference_age", "error")  # fmt: skip
+          "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "spin_ms_by_fit",
+          "switches_by_fit", "reference_age", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 
@@ -93,6 +97,26 @@ def by_position(steps: list[float], chunks: list[int], eager: list[float]) -> li
     return [statistics.median(column) / statistics.median(eager) for column in columns]
 
 
+class ReferenceSteps(pl.Callback):
+    """Which batches of a fit were the FuseCallback's timed eager reference steps once its plan ran (listed after
+    the FuseCallback, it reads the kind that callback gave the step), to read their host side from the
+    :class:`harness.StepClock`."""
+
+    def __init__(self, fuse: FuseCallback) -> None:
+        self.fuse, self.batches, self.reference = fuse, 0, set()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, idx: int) -> None:
+        if self.fuse.fit.plan is not None and self.fuse.fit.step_kind == EAGER:
+            self.reference.add(self.batches)
+        self.batches += 1
+
+
+def reference_cpu_ms(fit: dict, steps: int) -> list[float]:
+    """The main thread's CPU milliseconds of each reference step of ``fit`` (``steps`` batches an epoch)."""
+    marked = fit["reference_steps"]
+    return [ms for epoch, cpu in fit["epoch_cpu_ms"].items() for i, ms in enumerate(cpu) if epoch * steps + i in marked]
+
+
 def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float | None:
     """``median(numerator) / median(denominator)``, or ``None`` when either side has no step."""
     return statistics.median(numerator) / statistics.median(denominator) if numerator and denominator else None
@@ -107,11 +131,14 @@ def measure(spec: dict) -> dict:
         task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps,
                                     fused=spec.get("optimizer", "fused") == "fused")
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
-        fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks,
+        marks = [ReferenceSteps(callbacks[0])] if callbacks else []
+        fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks + marks,
                                     max_epochs=epochs), **models.fuse_info(callbacks),
-                      "reference": pooled_reference(callbacks)}  # fmt: skip
+                      "reference": pooled_reference(callbacks),
+                      "reference_steps": marks[0].reference if marks else set()}  # fmt: skip
     last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     cpu = {name: fit["epoch_cpu_ms"].get(epochs - 1, []) for name, fit in fits.items()}
+    eager_cpu = cpu["eager_1"] + cpu["eager_2"]
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
@@ -131,6 +158,8 @@ def measure(spec: dict) -> dict:
         "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
         "eager_fits_cpu_ratio": ratio_of_medians(cpu["eager_2"], cpu["eager_1"]),
+        "eager_cpu_ratio_in_run": ratio_of_medians(reference_cpu_ms(fits["fuse"], steps), eager_cpu),
+        "eager_cpu_ratio_dense": ratio_of_medians(reference_cpu_ms(fits["fuse_dense"], steps), eager_cpu),
         "spin_ms_by_fit": [*(fit["spin_ms"] for fit in fits.values()), harness.host_spin_ms()],
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"),

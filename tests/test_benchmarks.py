@@ -175,6 +175,12 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
         assert record["reference_age"] >= 0 and record["eager_ratio_in_run"] > 0
     assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0 and record["eager_fits_cpu_ratio"] > 0
     assert record["independent_adjacent"] > 0
+    for ratio in ("eager_cpu_ratio_in_run", "eager_cpu_ratio_dense"):  # None where a fit took no reference step
+        assert record[ratio] is None or record[ratio] > 0
+    if record["eager_ratio_dense"] is not None:  # the dense fit took reference steps: their host side is read too
+        assert record["eager_cpu_ratio_dense"] is not None
+    fit = {"reference_steps": {1, 2}, "epoch_cpu_ms": {0: [5.0, 6.0], 1: [7.0, 8.0]}}  # two epochs of two batches
+    assert telemetry.reference_cpu_ms(fit, steps=2) == [6.0, 7.0], "batch 1 of epoch 0, batch 0 of epoch 1"
     assert len(record["spin_ms_by_fit"]) == 6 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "five and after"
     assert len(record["switches_by_fit"]) == 5
     if importlib.util.find_spec("scipy"):
