@@ -22,7 +22,8 @@ same ratio for the first timed step of each chunk after its lead-in, for the sec
 ``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
 of one process agree. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main
 thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_in_run`` and
-``eager_cpu_ratio_dense``: the reference steps', of every epoch, over the eager-only fits', of the last),
+``eager_cpu_ratio_dense``: the reference steps', of every epoch, over the eager-only fits', of the last;
+``eager_cpu_by_position`` as ``eager_ratio_by_position``),
 ``spin_ms_by_fit`` the host's speed for Python just before each of the five fits, in their order, and after the
 last (:func:`harness.host_spin_ms`), and ``switches_by_fit`` how often a step of each lost its core to another
 thread or process (involuntary context switches per step). On the GPU:
@@ -49,8 +50,8 @@ FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_l
           "independent_low", "independent_high", "independent_adjacent", "reference_cost", "eager_ratio_in_run",
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
-          "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "spin_ms_by_fit",
-          "switches_by_fit", "reference_age", "error")  # fmt: skip
+          "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "eager_cpu_by_position",
+          "spin_ms_by_fit", "switches_by_fit", "reference_age", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 
@@ -111,10 +112,19 @@ class ReferenceSteps(pl.Callback):
         self.batches += 1
 
 
-def reference_cpu_ms(fit: dict, steps: int) -> list[float]:
-    """The main thread's CPU milliseconds of each reference step of ``fit`` (``steps`` batches an epoch)."""
-    marked = fit["reference_steps"]
-    return [ms for epoch, cpu in fit["epoch_cpu_ms"].items() for i, ms in enumerate(cpu) if epoch * steps + i in marked]
+def reference_cpu_ms(fit: dict, steps: int) -> tuple[list[float], list[int]]:
+    """The main thread's CPU milliseconds of each reference step of ``fit`` (``steps`` batches an epoch), and how
+    many of them each chunk (a run of consecutive batches) holds, as :func:`pooled_reference` gives them."""
+    marked = sorted(fit["reference_steps"])
+    cpu = {epoch * steps + i: ms for epoch, epoch_cpu in fit["epoch_cpu_ms"].items() for i, ms in enumerate(epoch_cpu)}
+    kept = [batch for batch in marked if batch in cpu]
+    chunks: list[int] = []
+    for previous, batch in zip([None, *kept], kept):
+        if previous == batch - 1:
+            chunks[-1] += 1
+        else:
+            chunks.append(1)
+    return [cpu[batch] for batch in kept], chunks
 
 
 def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float | None:
@@ -139,6 +149,7 @@ def measure(spec: dict) -> dict:
     last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     cpu = {name: fit["epoch_cpu_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager_cpu = cpu["eager_1"] + cpu["eager_2"]
+    dense_cpu, dense_cpu_chunks = reference_cpu_ms(fits["fuse_dense"], steps)
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
@@ -158,8 +169,9 @@ def measure(spec: dict) -> dict:
         "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
         "eager_fits_cpu_ratio": ratio_of_medians(cpu["eager_2"], cpu["eager_1"]),
-        "eager_cpu_ratio_in_run": ratio_of_medians(reference_cpu_ms(fits["fuse"], steps), eager_cpu),
-        "eager_cpu_ratio_dense": ratio_of_medians(reference_cpu_ms(fits["fuse_dense"], steps), eager_cpu),
+        "eager_cpu_ratio_in_run": ratio_of_medians(reference_cpu_ms(fits["fuse"], steps)[0], eager_cpu),
+        "eager_cpu_ratio_dense": ratio_of_medians(dense_cpu, eager_cpu),
+        "eager_cpu_by_position": by_position(dense_cpu, dense_cpu_chunks, eager_cpu),
         "spin_ms_by_fit": [*(fit["spin_ms"] for fit in fits.values()), harness.host_spin_ms()],
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"),

@@ -179,8 +179,8 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
         assert record[ratio] is None or record[ratio] > 0
     if record["eager_ratio_dense"] is not None:  # the dense fit took reference steps: their host side is read too
         assert record["eager_cpu_ratio_dense"] is not None
-    fit = {"reference_steps": {1, 2}, "epoch_cpu_ms": {0: [5.0, 6.0], 1: [7.0, 8.0]}}  # two epochs of two batches
-    assert telemetry.reference_cpu_ms(fit, steps=2) == [6.0, 7.0], "batch 1 of epoch 0, batch 0 of epoch 1"
+    fit = {"reference_steps": {1, 2, 5}, "epoch_cpu_ms": {0: [5.0, 6.0, 7.0], 1: [8.0, 9.0, 10.0]}}  # 2 epochs of 3
+    assert telemetry.reference_cpu_ms(fit, steps=3) == ([6.0, 7.0, 10.0], [2, 1]), "two chunks: batches 1-2, then 5"
     assert len(record["spin_ms_by_fit"]) == 6 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "five and after"
     assert len(record["switches_by_fit"]) == 5
     if importlib.util.find_spec("scipy"):
