@@ -260,8 +260,7 @@ def call_uncompiled(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         >>> call_uncompiled(lin, torch.zeros(2)).shape
         torch.Size([2])
     """
-    _check_compiled_call_impl()
-    return module._call_impl(*args, **kwargs)
+    return plain_call(module)(*args, **kwargs)
 
 
 def plain_call(module: nn.Module) -> Callable[..., Any]:
@@ -542,17 +541,6 @@ def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
 # Checks made before fit, so that a typo fails at construction rather than at the first compile.
 
 
-def backend_names() -> list[str]:
-    """Every torch.compile backend name, debug and experimental ones included (public API).
-
-    Example::
-
-        >>> "inductor" in backend_names()
-        True
-    """
-    return torch.compiler.list_backends(exclude_tags=())
-
-
 def is_backend(name: str) -> bool:
     """Whether torch.compile resolves ``name`` (registered and entry-point backends, as torch.compile does).
 
@@ -647,6 +635,29 @@ def is_view(tensor: torch.Tensor) -> bool:
     return tensor._is_view()
 
 
+def count_flops_as_a_total(counter: Any, tracker: Any, wrap: Callable[[Any, Any], Any]) -> None:
+    """Make a ``torch.utils.flop_counter.FlopCounterMode`` count one total: ``tracker`` stands in for its module
+    tracker, and ``wrap(op, formula)`` for each of its FLOP formulas (on its own copy of torch's registry).
+
+    Why private: both are undocumented attributes of the counter (``mod_tracker``, ``flop_registry``), and torch
+    offers no other way to count without its module tracker, whose hooks break ``torch.autograd.grad`` over a
+    module's leaf input (pytorch#131753). Without them the counter is left as torch made it (one warning).
+
+    Example::
+
+        >>> from torch.utils.flop_counter import FlopCounterMode
+        >>> counter = FlopCounterMode(display=False)
+        >>> count_flops_as_a_total(counter, None, lambda op, formula: formula)
+        >>> counter.mod_tracker is None
+        True
+    """
+    if not all(hasattr(counter, name) for name in ("mod_tracker", "flop_registry")):
+        _warn_once("flop counter", "FuseCallback: torch's FlopCounterMode changed; MFU counts with its module tracker.")
+        return
+    counter.flop_registry = {op: wrap(op, formula) for op, formula in counter.flop_registry.items()}
+    counter.mod_tracker = tracker
+
+
 def nvml_device_index(cuda_index: int) -> int:
     """NVML's index of CUDA device ``cuda_index`` (``CUDA_VISIBLE_DEVICES`` renumbers devices for torch only).
 
@@ -678,22 +689,17 @@ def fsdp_wrapped_module(module: nn.Module) -> nn.Module:
         >>> fsdp_wrapped_module(lin) is lin
         True
     """
-    fsdp = _fsdp_class()
-    if fsdp is None or not isinstance(module, fsdp):
+    if not torch.distributed.is_available():
+        return module
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(module, FullyShardedDataParallel):
         return module
     inner = getattr(module, "_fsdp_wrapped_module", None)
     if not isinstance(inner, nn.Module):
         raise TorchAPIChanged("FullyShardedDataParallel._fsdp_wrapped_module",
                               "compiling the module inside an FSDP wrapper", "keeps the wrapped module elsewhere")
     return inner
-
-
-def _fsdp_class() -> type | None:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return FullyShardedDataParallel
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], Any]:

@@ -440,9 +440,7 @@ def count_step_flops() -> Iterator[StepFlops]:
     """
     result = StepFlops()
     counter = FlopCounterMode(display=False)
-    registry = counter.flop_registry  # per-instance copy of torch's formulas: wrapping it changes no global state
-    counter.flop_registry = {op: _tolerant(op, formula, result.uncounted) for op, formula in registry.items()}
-    counter.mod_tracker = _TotalOnly()  # torch's tracker breaks autograd.grad over a leaf input: _TotalOnly says why
+    compat.count_flops_as_a_total(counter, _TotalOnly(), lambda op, formula: _tolerant(op, formula, result.uncounted))
     with counter:
         yield result
     result.total = counter.get_total_flops()

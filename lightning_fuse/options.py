@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_origin
 
+import torch
 from torch import nn
 
-from lightning_fuse.compat import backend_names, inductor_option_type, inductor_options, is_backend
+from lightning_fuse.compat import inductor_option_type, inductor_options, is_backend
 
 AUTO = "auto"
 """The value of every setting FuseCallback decides itself (targets, mode, cuda_graph, dynamic_dims)."""
@@ -154,7 +155,7 @@ def _check_backend_name(name: str) -> None:
     if not name.strip():
         raise ValueError("`backend` is an empty string; use 'inductor' (default), 'aot_eager' or 'eager'.")
     if not is_backend(name):
-        close = difflib.get_close_matches(name, backend_names(), n=3)
+        close = difflib.get_close_matches(name, torch.compiler.list_backends(exclude_tags=()), n=3)
         hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
         raise ValueError(
             f"`backend` {name!r} is not a torch.compile backend.{hint} Use 'inductor' (default), 'aot_eager', "

@@ -148,10 +148,20 @@ def test_reporting_apis_work_on_this_torch() -> None:
     tensor = torch.zeros(4, 2)
     compat.maybe_mark_dynamic(tensor, 0)
     assert compat.is_backend("inductor") and not compat.is_backend("inductr")
-    assert "inductor" in compat.backend_names()
     assert compat.inductor_option_type("max_autotune") is bool
     assert compat.nvml_device_index(0) >= 0
     assert compat.cudagraph_tree_stats(0)[0] == 0  # no CUDA graphs on this machine
+
+
+def test_a_changed_flop_counter_is_left_as_torch_made_it_with_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "_warned", set())
+    counter = SimpleNamespace(flop_registry={"mm": "formula"})  # a torch whose counter has no mod_tracker
+    with pytest.warns(UserWarning, match="FlopCounterMode changed"):
+        compat.count_flops_as_a_total(counter, "tracker", lambda op, formula: "wrapped")
+    assert counter.flop_registry == {"mm": "formula"} and not hasattr(counter, "mod_tracker")
+    counter.mod_tracker = None
+    compat.count_flops_as_a_total(counter, "tracker", lambda op, formula: f"wrapped {formula}")
+    assert counter.flop_registry == {"mm": "wrapped formula"} and counter.mod_tracker == "tracker"
 
 
 def test_cudagraph_tree_stats_counts_every_node_of_the_trees_and_the_skips(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,7 +225,9 @@ def test_fsdp_wrapped_module_unwraps_fsdp_only_and_raises_when_fsdp_moved_it(mon
 
     inner = nn.Linear(2, 2)
     assert compat.fsdp_wrapped_module(inner) is inner
-    monkeypatch.setattr(compat, "_fsdp_class", lambda: FakeFSDP)
+    import torch.distributed.fsdp as fsdp
+
+    monkeypatch.setattr(fsdp, "FullyShardedDataParallel", FakeFSDP)  # what the wrapper's class is looked up as
     assert compat.fsdp_wrapped_module(FakeFSDP(inner)) is inner
     moved = FakeFSDP(inner)
     del moved._fsdp_wrapped_module
