@@ -225,7 +225,7 @@ def test_fsdp_wrapped_module_unwraps_fsdp_only_and_raises_when_fsdp_moved_it(mon
 
     inner = nn.Linear(2, 2)
     assert compat.fsdp_wrapped_module(inner) is inner
-    import torch.distributed.fsdp as fsdp
+    from torch.distributed import fsdp
 
     monkeypatch.setattr(fsdp, "FullyShardedDataParallel", FakeFSDP)  # what the wrapper's class is looked up as
     assert compat.fsdp_wrapped_module(FakeFSDP(inner)) is inner
