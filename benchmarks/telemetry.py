@@ -104,12 +104,12 @@ class ReferenceSteps(pl.Callback):
     :class:`harness.StepClock`."""
 
     def __init__(self, fuse: FuseCallback) -> None:
-        self.fuse, self.batches, self.reference = fuse, 0, set()
+        self.fuse, self.reference = fuse, set()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, idx: int) -> None:
-        if self.fuse.fit.plan is not None and self.fuse.fit.step_kind == EAGER:
-            self.reference.add(self.batches)
-        self.batches += 1
+        fit = self.fuse.fit
+        if fit.plan is not None and fit.step_kind == EAGER:
+            self.reference.add(fit.steps)  # the fit's batch index, as the StepClock counts its batches
 
 
 def reference_cpu_ms(fit: dict, steps: int) -> tuple[list[float], list[int]]:
