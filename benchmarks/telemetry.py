@@ -26,10 +26,16 @@ thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_
 ``eager_cpu_by_position`` as ``eager_ratio_by_position``),
 ``spin_ms_by_fit`` the host's speed for Python just before each of the five fits, in their order, and after the
 last (:func:`harness.host_spin_ms`), and ``switches_by_fit`` how often a step of each lost its core to another
-thread or process (involuntary context switches per step). On the GPU:
+thread or process (involuntary context switches per step). ``--host-spins`` reads the same spin inside the fits
+(:class:`HostSpins`): at the lead-in of every reference chunk and at every :data:`SPIN_EVERY`-th batch, so that
+``spin_ms_reference`` (the ``FuseCallback()`` fit's lead-ins), ``spin_ms_dense_reference`` (the dense fit's),
+``spin_ms_plan`` (its plan's steps, last epoch) and ``spin_ms_eager`` (the eager-only fits', last epoch) tell a
+slower host at the reference's moments from a cost of the switch (the spins add a few ms to the fits' time, so
+``reference_cost`` is not read from such a record). On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
+    python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 1000 --host-spins
     python benchmarks/telemetry.py --smoke --models gpt --batches small --epoch-steps 12   # CPU, the code path
 """
 
@@ -44,16 +50,19 @@ import models
 import numpy as np
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.timing import EAGER
+from lightning_fuse.timing import EAGER, LEAD_IN
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
           "independent_low", "independent_high", "independent_adjacent", "reference_cost", "eager_ratio_in_run",
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
           "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "eager_cpu_by_position",
-          "spin_ms_by_fit", "switches_by_fit", "reference_age", "error")  # fmt: skip
+          "spin_ms_by_fit", "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
+          "switches_by_fit", "reference_age", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
+SPIN_EVERY = 100
+"""With ``--host-spins``, the host's speed is also read at the middle batch of every this many (a plan's or eager's)."""
 
 
 def interval(numerator: list[float], denominator: list[float]) -> tuple[float | None, float | None]:
@@ -112,6 +121,46 @@ class ReferenceSteps(pl.Callback):
             self.reference.add(fit.steps)  # the fit's batch index, as the StepClock counts its batches
 
 
+class HostSpins(pl.Callback):
+    """The host's speed for Python (:func:`harness.host_spin_ms`) at moments inside a fit: at the untimed lead-in of
+    every reference chunk of ``fuse``, and at the middle batch of every :data:`SPIN_EVERY` that is not a timed
+    reference step. Listed after the FuseCallback, it reads the kind that callback gave the step. ``readings``:
+    ``(moment, epoch, ms)``, the moment ``"reference"`` (a lead-in), ``"plan"``, ``"search"`` (before the plan) or
+    ``"eager"`` (a fit without ``fuse``).
+
+    Example::
+
+        >>> HostSpins(None).readings
+        []
+    """
+
+    def __init__(self, fuse: FuseCallback | None) -> None:
+        self.fuse, self.readings = fuse, []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, idx: int) -> None:
+        fit = self.fuse.fit if self.fuse is not None else None
+        if fit is not None and fit.plan is not None and fit.step_kind == LEAD_IN:
+            moment = "reference"
+        elif idx % SPIN_EVERY == min(SPIN_EVERY, trainer.num_training_batches) // 2 and (
+                fit is None or fit.step_kind != EAGER):  # a timed reference step keeps its own time  # fmt: skip
+            moment = "eager" if fit is None else "search" if fit.plan is None else "plan"
+        else:
+            return
+        self.readings.append((moment, trainer.current_epoch, harness.host_spin_ms(repeats=3)))
+
+
+def spins(readings: list[tuple[str, int, float]], moment: str, epoch: int | None = None) -> float | None:
+    """The median spin of ``readings`` at ``moment`` (in ``epoch``, or any); ``None`` where there is none.
+
+    Example::
+
+        >>> spins([("plan", 0, 3.0), ("plan", 1, 2.0), ("plan", 1, 2.2), ("reference", 1, 4.0)], "plan", epoch=1)
+        2.1
+    """
+    kept = [ms for kind, at, ms in readings if kind == moment and epoch in (None, at)]
+    return statistics.median(kept) if kept else None
+
+
 def reference_cpu_ms(fit: dict, steps: int) -> tuple[list[float], list[int]]:
     """The main thread's CPU milliseconds of each reference step of ``fit`` (``steps`` batches an epoch), and how
     many of them each chunk (a run of consecutive batches) holds, as :func:`pooled_reference` gives them."""
@@ -142,9 +191,10 @@ def measure(spec: dict) -> dict:
                                     fused=spec.get("optimizer", "fused") == "fused")
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
         marks = [ReferenceSteps(callbacks[0])] if callbacks else []
-        fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks + marks,
+        host = [HostSpins(callbacks[0] if callbacks else None)] if spec.get("host_spins") else []
+        fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks + marks + host,
                                     max_epochs=epochs), **models.fuse_info(callbacks),
-                      "reference": pooled_reference(callbacks),
+                      "reference": pooled_reference(callbacks), "spins": host[0].readings if host else [],
                       "reference_steps": marks[0].reference if marks else set()}  # fmt: skip
     last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     cpu = {name: fit["epoch_cpu_ms"].get(epochs - 1, []) for name, fit in fits.items()}
@@ -173,6 +223,10 @@ def measure(spec: dict) -> dict:
         "eager_cpu_ratio_dense": ratio_of_medians(dense_cpu, eager_cpu),
         "eager_cpu_by_position": by_position(dense_cpu, dense_cpu_chunks, eager_cpu),
         "spin_ms_by_fit": [*(fit["spin_ms"] for fit in fits.values()), harness.host_spin_ms()],
+        "spin_ms_eager": spins(fits["eager_1"]["spins"] + fits["eager_2"]["spins"], "eager", epochs - 1),
+        "spin_ms_reference": spins(fits["fuse"]["spins"], "reference"),
+        "spin_ms_dense_reference": spins(fits["fuse_dense"]["spins"], "reference"),
+        "spin_ms_plan": spins(fits["fuse"]["spins"], "plan", epochs - 1),
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"),
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),
@@ -185,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2, help="epochs per fit; the last one counts")
     p.add_argument("--optimizer", choices=("fused", "default"), default="fused",
                    help="AdamW(fused=True), or AdamW() with torch's choice (foreach on CUDA), as most users write it")
+    p.add_argument("--host-spins", action="store_true", help="read the host's speed inside the fits (HostSpins)")
     args = p.parse_args(argv)
     groups = [[{"model": model, "batch_size": batch, "epoch_steps": int(steps), "epochs": args.epochs,
-                "optimizer": args.optimizer, "smoke": args.smoke}]
+                "optimizer": args.optimizer, "host_spins": args.host_spins, "smoke": args.smoke}]
               for model, batch in models.regimes(args) for steps in args.epoch_steps.split(",")]
     return harness.run(args, "telemetry.py", measure, FIELDS, groups)
 

@@ -166,7 +166,8 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     import telemetry
 
     out = tmp_path / "telemetry.jsonl"
-    argv = ["--smoke", "--models", "gpt", "--batches", "small", "--epoch-steps", "10", "--out", str(out)]
+    argv = ["--smoke", "--models", "gpt", "--batches", "small", "--epoch-steps", "10", "--host-spins",
+            "--out", str(out)]  # fmt: skip
     assert telemetry.main(argv) == 0
     (record,) = _records(out)
     _check([record], telemetry.FIELDS, 1)
@@ -183,6 +184,11 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     assert telemetry.reference_cpu_ms(fit, steps=3) == ([6.0, 7.0, 10.0], [2, 1]), "two chunks: batches 1-2, then 5"
     assert len(record["spin_ms_by_fit"]) == 6 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "five and after"
     assert len(record["switches_by_fit"]) == 5
+    assert record["spin_ms_eager"] > 0, "each eager-only fit's middle batch reads the host"
+    for moment in ("spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan"):  # None where no such step ran
+        assert record[moment] is None or record[moment] > 0
+    readings = [("reference", 0, 4.0), ("plan", 1, 2.0), ("reference", 1, 5.0), ("plan", 1, 2.4)]
+    assert telemetry.spins(readings, "reference") == 4.5 and telemetry.spins(readings, "plan", epoch=0) is None
     if importlib.util.find_spec("scipy"):
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
         if record["eager_ratio_dense"] is not None:
