@@ -31,7 +31,11 @@ thread or process (involuntary context switches per step). ``--host-spins`` read
 ``spin_ms_reference`` (the ``FuseCallback()`` fit's lead-ins), ``spin_ms_dense_reference`` (the dense fit's),
 ``spin_ms_plan`` (its plan's steps, last epoch) and ``spin_ms_eager`` (the eager-only fits', last epoch) tell a
 slower host at the reference's moments from a cost of the switch (the spins add a few ms to the fits' time, so
-``reference_cost`` is not read from such a record). On the GPU:
+``reference_cost`` is not read from such a record). Reading by reading, ``eager_by_spin`` pairs each spin of the
+eager-only fits' last epoch with the median step of its :data:`SPIN_EVERY` batches, ``plan_by_spin`` the same for
+the ``eager_steps=0`` fit, and ``reference_by_spin``/``dense_by_spin`` each reference chunk's lead-in spin with
+the median of the chunk's timed steps (``[spin ms, step ms]`` pairs): whether a chunk ran slower than plain eager
+at the same speed of the host. On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
@@ -58,7 +62,8 @@ FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_l
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
           "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "eager_cpu_by_position",
           "spin_ms_by_fit", "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
-          "switches_by_fit", "reference_age", "error")  # fmt: skip
+          "eager_by_spin", "plan_by_spin", "reference_by_spin", "dense_by_spin", "switches_by_fit", "reference_age",
+          "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 SPIN_EVERY = 100
@@ -125,8 +130,8 @@ class HostSpins(pl.Callback):
     """The host's speed for Python (:func:`harness.host_spin_ms`) at moments inside a fit: at the untimed lead-in of
     every reference chunk of ``fuse``, and at the middle batch of every :data:`SPIN_EVERY` that is not a timed
     reference step. Listed after the FuseCallback, it reads the kind that callback gave the step. ``readings``:
-    ``(moment, epoch, ms)``, the moment ``"reference"`` (a lead-in), ``"plan"``, ``"search"`` (before the plan) or
-    ``"eager"`` (a fit without ``fuse``).
+    ``(moment, epoch, batch index in the epoch, ms)``, the moment ``"reference"`` (a lead-in), ``"plan"``,
+    ``"search"`` (before the plan) or ``"eager"`` (a fit without ``fuse``).
 
     Example::
 
@@ -146,19 +151,60 @@ class HostSpins(pl.Callback):
             moment = "eager" if fit is None else "search" if fit.plan is None else "plan"
         else:
             return
-        self.readings.append((moment, trainer.current_epoch, harness.host_spin_ms(repeats=3)))
+        self.readings.append((moment, trainer.current_epoch, idx, harness.host_spin_ms(repeats=3)))
 
 
-def spins(readings: list[tuple[str, int, float]], moment: str, epoch: int | None = None) -> float | None:
+Reading = tuple[str, int, int, float]
+"""A :class:`HostSpins` reading: (moment, epoch, batch index in the epoch, spin ms)."""
+
+
+def spins(readings: list[Reading], moment: str, epoch: int | None = None) -> float | None:
     """The median spin of ``readings`` at ``moment`` (in ``epoch``, or any); ``None`` where there is none.
 
     Example::
 
-        >>> spins([("plan", 0, 3.0), ("plan", 1, 2.0), ("plan", 1, 2.2), ("reference", 1, 4.0)], "plan", epoch=1)
+        >>> spins([("plan", 0, 5, 3.0), ("plan", 1, 5, 2.0), ("plan", 1, 9, 2.2), ("reference", 1, 7, 4.0)], "plan", 1)
         2.1
     """
-    kept = [ms for kind, at, ms in readings if kind == moment and epoch in (None, at)]
+    kept = [ms for kind, at, _, ms in readings if kind == moment and epoch in (None, at)]
     return statistics.median(kept) if kept else None
+
+
+def blocks_by_spin(readings: list[Reading], epoch_ms: dict[int, list[float]], moment: str,
+                   epoch: int) -> list[list[float]]:  # fmt: skip
+    """``[spin, median step]`` for each reading at ``moment`` in ``epoch``: the median over the
+    :data:`SPIN_EVERY` batches that hold the reading (``epoch_ms``: each epoch's step ms by batch, no warmup).
+
+    Example::
+
+        >>> blocks_by_spin([("eager", 1, 50, 2.5), ("eager", 0, 50, 9.0)], {1: [10.0] * 99 + [30.0]}, "eager", 1)
+        [[2.5, 10.0]]
+    """
+    times = epoch_ms.get(epoch, [])
+    starts = [(ms, idx - idx % SPIN_EVERY) for kind, at, idx, ms in readings if kind == moment and at == epoch]
+    return [[ms, statistics.median(times[start : start + SPIN_EVERY])] for ms, start in starts if start < len(times)]
+
+
+def chunks_by_spin(readings: list[Reading], fit: dict, steps: int) -> list[list[float]]:
+    """``[lead-in spin, median of the chunk's timed steps]`` for each reference chunk of ``fit`` (``steps`` batches
+    an epoch; its ``reference_steps`` marked by :class:`ReferenceSteps`, its ``epoch_ms`` from the StepClock).
+
+    Example::
+
+        >>> fit = {"reference_steps": {3, 4, 5}, "epoch_ms": {0: [1.0, 1.0, 9.0, 20.0, 22.0, 21.0, 1.0]}}
+        >>> chunks_by_spin([("reference", 0, 2, 2.4)], fit, steps=7)
+        [[2.4, 21.0]]
+    """
+    times = {epoch * steps + i: ms for epoch, epoch_ms in fit["epoch_ms"].items() for i, ms in enumerate(epoch_ms)}
+    rows = []
+    for kind, epoch, idx, ms in readings:
+        batch, chunk = epoch * steps + idx + 1, []
+        while kind == "reference" and batch in fit["reference_steps"] and batch in times:
+            chunk.append(times[batch])
+            batch += 1
+        if chunk:
+            rows.append([ms, statistics.median(chunk)])
+    return rows
 
 
 def reference_cpu_ms(fit: dict, steps: int) -> tuple[list[float], list[int]]:
@@ -227,6 +273,11 @@ def measure(spec: dict) -> dict:
         "spin_ms_reference": spins(fits["fuse"]["spins"], "reference"),
         "spin_ms_dense_reference": spins(fits["fuse_dense"]["spins"], "reference"),
         "spin_ms_plan": spins(fits["fuse"]["spins"], "plan", epochs - 1),
+        "eager_by_spin": [row for name in ("eager_1", "eager_2") for row in
+                          blocks_by_spin(fits[name]["spins"], fits[name]["epoch_ms"], "eager", epochs - 1)],
+        "plan_by_spin": blocks_by_spin(fits["fuse_0"]["spins"], fits["fuse_0"]["epoch_ms"], "plan", epochs - 1),
+        "reference_by_spin": chunks_by_spin(fits["fuse"]["spins"], fits["fuse"], steps),
+        "dense_by_spin": chunks_by_spin(fits["fuse_dense"]["spins"], fits["fuse_dense"], steps),
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"),
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),

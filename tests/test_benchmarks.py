@@ -187,8 +187,13 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     assert record["spin_ms_eager"] > 0, "each eager-only fit's middle batch reads the host"
     for moment in ("spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan"):  # None where no such step ran
         assert record[moment] is None or record[moment] > 0
-    readings = [("reference", 0, 4.0), ("plan", 1, 2.0), ("reference", 1, 5.0), ("plan", 1, 2.4)]
+    assert all(len(pair) == 2 for pair in record["eager_by_spin"]), "[spin ms, step ms] pairs"
+    readings = [("reference", 0, 2, 4.0), ("plan", 1, 50, 2.0), ("reference", 1, 5, 5.0), ("plan", 1, 150, 2.4)]
     assert telemetry.spins(readings, "reference") == 4.5 and telemetry.spins(readings, "plan", epoch=0) is None
+    steps = {1: [3.0] * 100 + [4.0] * 100}
+    assert telemetry.blocks_by_spin(readings, steps, "plan", 1) == [[2.0, 3.0], [2.4, 4.0]], "each its own 100"
+    fit = {"reference_steps": {3, 4, 12, 13}, "epoch_ms": {0: [1.0, 1.0, 8.0, 20.0, 22.0], 1: [1.0, 1.0, 21.0, 23.0]}}
+    assert telemetry.chunks_by_spin(readings, fit, steps=5) == [[4.0, 21.0]], "no chunk after batch 10"
     if importlib.util.find_spec("scipy"):
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
         if record["eager_ratio_dense"] is not None:
