@@ -192,7 +192,7 @@ class FuseCallback(Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.fit.begin_epoch(trainer.num_training_batches, pl_module.device)
+        self.fit.begin_epoch(_batches_to_run(trainer), pl_module.device)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
@@ -358,3 +358,12 @@ def _training(trainer: pl.Trainer) -> Training:
                     reduce_all=lambda ok: bool(strategy.reduce_boolean_decision(ok, all=True)),
                     broadcast=strategy.broadcast,
                     fsdp_root=strategy.model if isinstance(strategy, FSDPStrategy) else None)  # fmt: skip
+
+
+def _batches_to_run(trainer: pl.Trainer) -> float:
+    """The training batches this epoch will run: its own, or fewer where ``max_steps`` ends the fit first (so that
+    the epoch's reference chunks fall within the steps that run)."""
+    if trainer.max_steps < 0:
+        return trainer.num_training_batches
+    left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
+    return min(trainer.num_training_batches, max(left, 1))

@@ -147,14 +147,20 @@ class StepTimer:
         return event
 
 
-CHUNK = 5
+CHUNK = 3
 """Timed eager steps in a row, each run of them after one untimed eager step (the switch from compiled code).
 
-Why 5: a chunk's lead-in is pure cost, so a chunk of ``n`` spends ``n / (n + 1)`` of its time on timed steps: 50%
-at 1, 83% at 5, 91% at 10. Under a fixed budget, chunks of 10 would give 9% more timed steps but half as many
-moments of the run; chunks of 1 or 2 would follow drift more closely but waste a third to a half of the budget
-on lead-ins. One chunk of 5 is also the smallest first measurement whose median and interval mean something
-(the interval of a median of 5 covers the truth about 94% of the time, ``tests/test_timing.py``)."""
+Why 3: a shared host's speed moves more between moments of a run than within one. On the H100 machines eager
+ResNet-18 ran about 8 ms a step while the host was fast and 10-13 ms while it was slow, the two alternating within
+seconds; the medians of one fit's 5-step chunks spread by 13-25% (lognormal sd), and one chunk missed the fit's
+median by 7-15% where two missed it by 6-8% (``benchmarks/RESULTS.md``). So a budget buys more by sampling more
+moments than by timing more steps of one. A chunk's lead-in is pure cost: a chunk of ``n`` spends ``n / (n + 1)``
+of its eager time on timed steps, 67% at 2, 75% at 3, 83% at 5, and chunks of 3 give 1.5 times the moments of
+chunks of 5 for a budget. The first timed step of a chunk ran about 6% slower than the later ones (its median over
+eight fits), and a chunk's median of 3 leaves it out where a median of 2 would take half of it."""
+FIRST_REFERENCE = 4
+"""Timed eager steps of the fit's first measurement, taken before any step time is known (so before any budget is
+earned): two chunks of 2 at two moments of the first epoch, for the six eager steps one chunk of 5 cost."""
 MAX_EAGER_SHARE = 1 / 3
 """At most this share of an epoch's steps run eagerly for the reference; a short epoch gets fewer reference steps."""
 UNKNOWN_EPOCH_STEPS = 1000
@@ -166,10 +172,9 @@ after the plan search, the reference ran up to 37% slower than plain eager on GP
 search leaves the GPU idle and inductor's workers busy, and the optimizer graph's trial starts then);
 ``benchmarks/RESULTS.md`` has the measurements."""
 THIN_REFERENCE = 2 * CHUNK
-"""A pooled reference of fewer timed eager steps than this is thin: the verdict says so. Two chunks are the least
-that sample two moments of the run, which the interval then resamples (:mod:`~lightning_fuse.interval`); the steps
-of one chunk are not independent, so one chunk's interval cannot show the drift (a fit too short for its budget gets
-only the first chunk, :class:`EagerSchedule`)."""
+"""A pooled reference of fewer timed eager steps than this is thin: the verdict says so. Two full chunks sample two
+moments of the run, which the interval then resamples (:mod:`~lightning_fuse.interval`); a fit too short for its
+budget gets only the first measurement (:data:`FIRST_REFERENCE` steps, :class:`EagerSchedule`), which is thin."""
 
 
 def reference_step_cost(eager_ms: float, compiled_ms: float, budget: float) -> float:
@@ -229,9 +234,9 @@ def affordable_reference(
 
     Example::
 
-        >>> timed, credit = affordable_reference(1000, eager_ms=11.0, compiled_ms=10.0)  # 1.1x: 200 ms, 3 chunks
+        >>> timed, credit = affordable_reference(1000, eager_ms=11.0, compiled_ms=10.0)  # 1.1x: 200 ms, 4 chunks
         >>> timed, round(credit, 2)
-        (15, 2.36)
+        (12, 24.32)
         >>> affordable_reference(50, eager_ms=50.0, compiled_ms=10.0)  # 5x: 10 ms is credit, no chunk yet
         (0, 10.0)
     """
@@ -255,13 +260,13 @@ class EagerSchedule:
     epoch's steps after compile and warmup, so the eager and compiled medians come from the same minutes of the
     same run (on shared machines host-bound steps drift by 5-10% within a run).
 
-    How many: the first epoch takes one chunk soon after compile and warmup (:data:`FIRST_CHUNK_DELAY` plan steps
-    on, or mid-epoch in a short one), as nothing is known before; from
-    then on, the caller passes the step times measured so far and :func:`affordable_reference` buys what the budget
-    allows, carrying what is left as credit. So the reference (timed steps and lead-ins) takes at most
-    ``reference_budget`` of the fit's training time, once the fit is long enough to repay that first chunk
-    (``6 * eager_ms / compiled_ms / reference_budget`` steps: 300 at 1x, 1500 at 5x); a shorter fit spends one
-    chunk, the least that measures anything.
+    How many: the first epoch takes :data:`FIRST_REFERENCE` steps in two chunks spread over its steps after compile
+    and warmup (and :data:`FIRST_CHUNK_DELAY` plan steps more, or less in a short epoch), as nothing is known
+    before; from then on, the caller passes the step times measured so far and :func:`affordable_reference` buys
+    what the budget allows, carrying what is left as credit. So the reference (timed steps and lead-ins) takes at
+    most ``reference_budget`` of the fit's training time, once the fit is long enough to repay that first
+    measurement (``6 * eager_ms / compiled_ms / reference_budget`` steps: 300 at 1x, 1500 at 5x); a shorter fit
+    spends the first measurement, the least that measures anything.
 
     Args:
         eager_steps: At most this many timed eager steps per epoch; ``0`` turns the reference off (the model
@@ -277,10 +282,10 @@ class EagerSchedule:
     Example::
 
         >>> schedule = EagerSchedule(eager_steps=20, warmup=2)
-        >>> schedule.plan_epoch(first_step=0, steps=100, settle=1)  # nothing known yet: one chunk, 40 steps on
-        5
-        >>> [step for step in range(100) if schedule.is_eager(step)]
-        [0, 1, 43, 44, 45, 46, 47, 48]
+        >>> schedule.plan_epoch(first_step=0, steps=100, settle=1)  # nothing known yet: 2 chunks, 40 steps on
+        4
+        >>> [step for step in range(100) if schedule.is_eager(step)]  # fit start, then lead-in and 2 timed, twice
+        [0, 1, 55, 56, 57, 83, 84, 85]
         >>> schedule.plan_epoch(first_step=100, steps=100, settle=1, eager_ms=30.0, compiled_ms=10.0)  # in debt
         0
         >>> round(schedule.credit_ms, 1)  # 2% of 200 steps at 10 ms, less 6 reference steps at 29.6 ms
@@ -300,7 +305,7 @@ class EagerSchedule:
         self.warmup = warmup if eager_steps else 0
         self.start_length = self.warmup + (profiled if eager_steps else 0)
         self.credit_ms = 0.0
-        """Budget earned and not yet spent, in ms (negative: the first chunk's debt, not yet repaid)."""
+        """Budget earned and not yet spent, in ms (negative: the first measurement's debt, not yet repaid)."""
         self._unsettled: list[tuple[int, int]] = []  # (epoch steps, reference steps) planned before any estimate
         self._timed: set[int] = set()
         self._lead_ins: set[int] = set()
@@ -314,8 +319,8 @@ class EagerSchedule:
         ``settle`` compiled steps after the fit-start steps get no chunk (they compile and capture). The epoch's
         last step has no end and gets none either. ``eager_ms`` and ``compiled_ms`` are the step times measured so
         far (e.g. the reference pool's median and the last epoch's compiled median); while the eager one is
-        unknown, the epoch gets one early chunk, the first measurement. Returns how many timed eager steps were
-        placed.
+        unknown, the epoch gets the first measurement (:data:`FIRST_REFERENCE`). Returns how many timed eager steps
+        were placed.
         """
         self._timed, self._lead_ins = set(), set()
         if not self.eager_steps:
@@ -327,15 +332,16 @@ class EagerSchedule:
         if self.reference_budget is None:
             timed = _fit_in_room(self.eager_steps, room)
         elif first or compiled_ms is None:
-            timed = _fit_in_room(min(self.eager_steps, CHUNK), room) if first else 0
+            timed = _fit_in_room(min(self.eager_steps, FIRST_REFERENCE), room) if first else 0
             self._unsettled.append((steps, timed + math.ceil(timed / CHUNK)))
         else:
             self._settle(eager_ms, compiled_ms)
             timed, self.credit_ms = affordable_reference(
                 steps, eager_ms, compiled_ms, self.reference_budget, self.credit_ms, self.eager_steps, room
             )
-        if first:  # one chunk, placed on its own
-            low, span = low + min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK)), CHUNK + 1
+        if first:  # its chunks spread over the epoch's steps after the delay
+            delay = min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK))
+            low, span = low + delay, span - delay
         self._place(low, span, timed)
         return timed
 
@@ -395,20 +401,20 @@ class ReferencePool:
 
     Example::
 
-        >>> pool = ReferencePool(chunks=2)
-        >>> pool.add([30.0] * 5, epoch=0)
+        >>> pool = ReferencePool(chunks=4)  # 12 steps
+        >>> pool.add([30.0] * 3, epoch=0)
         >>> pool.add([], epoch=1)  # an epoch without reference steps keeps the pool as it was
-        >>> pool.add([32.0] * 6, epoch=2)
+        >>> pool.add([32.0] * 6, epoch=2, runs=[3, 3])
         >>> len(pool.samples), pool.epochs
-        (10, (0, 2))
+        (9, (0, 2))
         >>> pool.age(epoch=2), pool.age(epoch=5)  # 0: the epoch measured its own; 3: the newest chunk is 3 old
         (0, 3)
         >>> pool.add([31.0] * 4, epoch=6, runs=[2, 2])  # two chunks in one epoch; the oldest steps leave
         >>> pool.chunks
-        [6, 2, 2]
+        [2, 3, 3, 2, 2]
     """
 
-    def __init__(self, chunks: int = 4) -> None:
+    def __init__(self, chunks: int = 7) -> None:
         if chunks < 1:
             raise ValueError(f"`chunks` must be >= 1 (chunks of {CHUNK} steps to keep), got {chunks}.")
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=chunks * CHUNK)  # (epoch, chunk, ms)

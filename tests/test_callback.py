@@ -132,30 +132,38 @@ class ShrinkingData(ToyTask):
         return super().train_dataloader()
 
 
-def test_the_reference_takes_one_early_chunk_then_what_its_budget_allows_and_a_short_epoch_reuses_it(monkeypatch):
+def test_the_reference_takes_a_first_measurement_then_what_its_budget_allows_and_a_short_epoch_reuses_it(monkeypatch):
     collected = collected_step_times(monkeypatch)
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
     pl.seed_everything(0, verbose=False)
     trainer([fuse], max_epochs=2, reload_dataloaders_every_n_epochs=1).fit(ShrinkingData())
-    assert [len(epoch.get("eager", [])) for epoch in collected] == [5, 0]  # one chunk first; then 2% of 6 steps: none
-    assert [len(epoch.get("lead_in", [])) for epoch in collected] == [1, 0]
+    assert [len(epoch.get("eager", [])) for epoch in collected] == [4, 0]  # two chunks of 2; then 2% of 6 steps: none
+    assert [len(epoch.get("lead_in", [])) for epoch in collected] == [2, 0]
     eager_ms = statistics.median(collected[0]["eager"])
     assert fuse.history[0]["fuse/eager_step_ms"] == pytest.approx(eager_ms)
     assert fuse.history[1]["fuse/speedup"] == pytest.approx(eager_ms / fuse.history[1]["fuse/step_ms"])  # the pool
     assert fuse.history[1]["fuse/step_ms"] > 0 and 0 < fuse.history[0]["fuse/reference_cost"] < 1
 
 
-def test_epochs_after_the_only_reference_chunk_say_how_old_it_is_and_log_no_eager_time_of_their_own(monkeypatch):
+def test_a_fit_that_max_steps_ends_within_an_epoch_takes_its_reference_within_the_steps_that_run(monkeypatch):
     collected = collected_step_times(monkeypatch)
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
-    fit([fuse], epochs=3, samples=400)  # 25 steps an epoch: the first chunk, then 2% of 25 steps buys none
-    assert [len(epoch.get("eager", [])) for epoch in collected] == [5, 0, 0]
+    fit([fuse], epochs=1, samples=3200, max_steps=50)  # an epoch of 200 steps, of which 50 run
+    assert len(collected[0].get("eager", [])) == 4, "planned over 200 steps, its chunks would fall after step 50"
+    assert fuse.history[0]["fuse/speedup"] > 0
+
+
+def test_epochs_after_the_first_measurement_say_how_old_it_is_and_log_no_eager_time_of_their_own(monkeypatch):
+    collected = collected_step_times(monkeypatch)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
+    fit([fuse], epochs=3, samples=400)  # 25 steps an epoch: the first measurement, then 2% of 25 steps buys none
+    assert [len(epoch.get("eager", [])) for epoch in collected] == [4, 0, 0]
     assert [row["fuse/reference_age"] for row in fuse.history] == [0, 1, 2]
     assert ["fuse/eager_step_ms" in row for row in fuse.history] == [True, False, False]
     eager_ms = statistics.median(collected[0]["eager"])
-    for row in fuse.history:  # every epoch divides the pooled chunk of epoch 0
+    for row in fuse.history:  # every epoch divides the pooled chunks of epoch 0
         assert row["fuse/speedup"] == pytest.approx(eager_ms / row["fuse/step_ms"])
-    assert fuse.verdict.split("; ")[2] == "reference thin: 5 eager steps"  # one chunk: one moment of the fit
+    assert fuse.verdict.split("; ")[2] == "reference thin: 4 eager steps"  # two moments of the fit, 2 steps each
     spent = sum(sum(epoch.get(kind, [])) for epoch in collected for kind in ("eager", "lead_in"))
     trained = sum(sum(steps) for epoch in collected for steps in epoch.values())
     assert fuse.fit.reference_ms == pytest.approx(spent) and fuse.fit.train_ms == pytest.approx(trained)
@@ -190,9 +198,9 @@ def test_each_reference_chunk_starts_on_a_device_with_nothing_queued(monkeypatch
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
     waits = []  # the fit step at each wait: a plan step's queued GPU work must not be timed as eager's
     monkeypatch.setattr(StepTimer, "wait_for_device", lambda timer: waits.append(fuse.fit.steps))
-    fit([fuse], epochs=1, samples=640)  # 40 steps: 3 eager, then one chunk of 1 + 5 eager steps
+    fit([fuse], epochs=1, samples=640)  # 40 steps: 3 eager, then two chunks of 1 + 2 eager steps
     lead_ins = [step for step in range(fuse.fit.steps) if fuse.fit.schedule.is_lead_in(step)]
-    assert waits == lead_ins and len(lead_ins) == 1
+    assert waits == lead_ins and len(lead_ins) == 2
 
 
 def slow_backend(gm, example_inputs):

@@ -17,6 +17,7 @@ from lightning_fuse.timing import (
     COMPILED,
     EAGER,
     FIRST_CHUNK_DELAY,
+    FIRST_REFERENCE,
     LEAD_IN,
     SKIPPED,
     EagerSchedule,
@@ -42,9 +43,9 @@ def test_without_a_budget_each_epoch_spreads_eager_steps_in_chunks_after_an_unti
     assert schedule.plan_epoch(first_step=0, steps=200, settle=3) == 20
     eager = [s for s in range(200) if schedule.is_eager(s)]
     timed = [s for s in range(200) if schedule.is_timed(s)]
-    assert eager[:3] == [0, 1, 2] and len(timed) == 20 and len(eager) == 3 + 20 + 4  # 4 chunks of 5, 4 lead-ins
-    chunks = [timed[i : i + CHUNK] for i in range(0, 20, CHUNK)]
-    assert all(chunk == list(range(chunk[0], chunk[0] + CHUNK)) for chunk in chunks)  # contiguous runs of 5
+    assert eager[:3] == [0, 1, 2] and len(timed) == 20 and len(eager) == 3 + 20 + 7  # 7 chunks of 3 or 2, 7 lead-ins
+    chunks = runs(timed)
+    assert [len(chunk) for chunk in chunks] == [CHUNK] * 6 + [2]  # contiguous runs
     assert all(schedule.is_lead_in(chunk[0] - 1) and not schedule.is_timed(chunk[0] - 1) for chunk in chunks)
     assert min(eager[3:]) > 6 and max(timed) < 199  # after compile and warmup; never the epoch's last step
     gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
@@ -57,7 +58,7 @@ def test_without_a_budget_each_epoch_spreads_eager_steps_in_chunks_after_an_unti
 def test_a_short_epoch_gets_at_most_a_third_of_its_steps_as_reference_and_a_tiny_one_none():
     schedule = EagerSchedule(eager_steps=20, reference_budget=None, warmup=3)
     placed = schedule.plan_epoch(first_step=100, steps=31, settle=3)
-    assert placed == 8  # 8 timed + 2 lead-ins = 10 of the epoch's 30 steps that can have an end
+    assert placed == 7  # 7 timed + 3 lead-ins = 10 of the epoch's 30 steps that can have an end
     assert sum(schedule.is_eager(s) for s in range(100, 131)) == 10
     assert schedule.plan_epoch(first_step=0, steps=8, settle=3) == 0
     assert not any(schedule.is_eager(s) for s in range(3, 8))
@@ -82,26 +83,41 @@ def test_the_schedule_rejects_bad_arguments_saying_what_to_do(kwargs, match):
 # ------------------------------------------------------------------ the schedule: a time budget
 
 
-def test_the_first_measurement_is_one_chunk_a_while_after_the_plan_settles():
+def runs(steps: list[int]) -> list[list[int]]:
+    """``steps`` (sorted) cut into runs of consecutive steps: the chunks."""
+    chunks: list[list[int]] = []
+    for step in steps:
+        if chunks and chunks[-1][-1] == step - 1:
+            chunks[-1].append(step)
+        else:
+            chunks.append([step])
+    return chunks
+
+
+def test_the_first_measurement_is_two_chunks_spread_over_the_epoch_a_while_after_the_plan_settles():
     schedule = EagerSchedule(eager_steps=20, warmup=3)
-    assert schedule.plan_epoch(first_step=0, steps=1000, settle=2) == CHUNK  # nothing known: one chunk
+    assert schedule.plan_epoch(first_step=0, steps=1000, settle=2) == FIRST_REFERENCE == 4  # nothing known yet
     settled = 3 + 2  # the fit-start steps, then the plan's compile and capture
-    assert [s for s in range(1000) if schedule.is_lead_in(s)] == [settled + FIRST_CHUNK_DELAY]
-    assert [s for s in range(1000) if schedule.is_timed(s)] == list(range(settled + FIRST_CHUNK_DELAY + 1, 51))
+    chunks = runs([s for s in range(1000) if schedule.is_timed(s)])
+    assert [len(chunk) for chunk in chunks] == [2, 2], "two moments of the run, for the cost of one chunk of 5"
+    assert all(schedule.is_lead_in(chunk[0] - 1) for chunk in chunks)
+    assert chunks[0][0] > settled + FIRST_CHUNK_DELAY, "not right after the search"
+    assert chunks[1][0] - chunks[0][0] > 400 and chunks[1][-1] < 999, "far apart, within the epoch"
 
 
-def test_a_short_first_epoch_takes_its_chunk_in_its_middle():
+def test_a_short_first_epoch_takes_its_chunks_in_what_is_left_after_a_shorter_delay():
     schedule = EagerSchedule(eager_steps=20, warmup=3)
-    assert schedule.plan_epoch(first_step=0, steps=40, settle=2) == CHUNK
-    (lead_in,) = [s for s in range(40) if schedule.is_lead_in(s)]
-    assert lead_in == 5 + (40 - 1 - 5) // 2 - CHUNK  # before the middle of what is left, by a chunk
+    assert schedule.plan_epoch(first_step=0, steps=40, settle=2) == FIRST_REFERENCE
+    lead_ins = [s for s in range(40) if schedule.is_lead_in(s)]
+    delay = (40 - 1 - 5) // 2 - CHUNK  # half of what is left, less a chunk
+    assert len(lead_ins) == 2 and 5 + delay < lead_ins[0] < lead_ins[1] < 40 - CHUNK
 
 
 def test_the_first_measurement_is_retried_until_an_epoch_has_room_for_it():
     schedule = EagerSchedule(eager_steps=20, warmup=3)
-    assert schedule.plan_epoch(first_step=0, steps=8, settle=1) == 0  # 3 steps of room: too few for 1 + 5
-    assert schedule.plan_epoch(first_step=8, steps=50, settle=1) == CHUNK  # still nothing measured: try again
-    assert [s for s in range(8, 58) if schedule.is_lead_in(s)] == [8 + (57 - 8) // 2 - CHUNK]
+    assert schedule.plan_epoch(first_step=0, steps=8, settle=1) == 0  # 1 step of room: too few for 2 + 4
+    assert schedule.plan_epoch(first_step=8, steps=50, settle=1) == FIRST_REFERENCE  # nothing measured: try again
+    assert len([s for s in range(8, 58) if schedule.is_lead_in(s)]) == 2
 
 
 def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 0.02, eager_steps: int = 20,
@@ -129,11 +145,11 @@ def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 
 @pytest.mark.parametrize("epoch_steps", [50, 1000])
 @pytest.mark.parametrize("speedup", [1.1, 5.0])
 def test_the_reference_stays_within_its_budget_over_a_fit_and_keeps_measuring(epoch_steps, speedup):
-    budget, chunk_steps = 0.02, CHUNK + 1
-    payback_steps = chunk_steps * speedup / budget  # steps after which the first chunk's debt is repaid
+    budget, first_steps = 0.02, FIRST_REFERENCE + math.ceil(FIRST_REFERENCE / CHUNK)
+    payback_steps = first_steps * speedup / budget  # steps after which the first measurement's debt is repaid
     epochs = max(5, math.ceil(8 * payback_steps / epoch_steps))  # long enough for a few chunks after the first
     placed, shares = simulate_fit(epochs, epoch_steps, speedup, budget)
-    assert placed[0] == chunk_steps, "the first epoch measures once, before anything is known"
+    assert placed[0] == first_steps, "the first epoch measures once, before anything is known"
     assert shares[-1] <= budget, f"the reference took {shares[-1]:.2%} of the fit"
     assert shares[-1] >= 0.6 * budget, f"only {shares[-1]:.2%}: the budget should be used to follow drift"
     for epoch, share in enumerate(shares):
@@ -155,13 +171,14 @@ def test_the_budget_ledger_survives_a_checkpoint():
 @pytest.mark.parametrize(("epochs", "epoch_steps", "speedup"), [(1, 50, 5.0), (1, 1000, 5.0), (3, 50, 1.1)])
 def test_a_short_fit_always_gets_one_measurement_and_no_more(epochs, epoch_steps, speedup):
     placed, shares = simulate_fit(epochs, epoch_steps, speedup)
-    assert placed[0] == CHUNK + 1 and sum(placed) == CHUNK + 1  # the floor: one chunk, the least that measures
+    first_steps = FIRST_REFERENCE + math.ceil(FIRST_REFERENCE / CHUNK)  # the floor: the least that measures
+    assert placed[0] == first_steps and sum(placed) == first_steps
     assert shares[-1] > 0
 
 
 def test_eager_steps_caps_each_epoch_and_the_rest_is_carried_as_credit():
     placed, shares = simulate_fit(epochs=20, epoch_steps=1000, speedup=1.1, eager_steps=4)
-    assert max(placed) == 5 and shares[-1] < 0.01  # 4 timed + 1 lead-in: the cap binds, the budget does not
+    assert max(placed) == 6 and shares[-1] < 0.01  # 4 timed + 2 lead-ins: the cap binds, the budget does not
 
 
 @pytest.mark.parametrize("epoch_steps", [50, 1000])
@@ -172,7 +189,7 @@ def test_affordable_reference_never_spends_more_than_the_epochs_earned(epoch_ste
     for _ in range(200):
         timed, credit = affordable_reference(epoch_steps, eager_ms, compiled_ms, budget, credit)
         steps = timed + math.ceil(timed / CHUNK)
-        assert credit >= 0 and timed % CHUNK == 0 and timed <= 20
+        assert credit >= 0 and (timed % CHUNK == 0 or timed == 20) and timed <= 20  # whole chunks, or the cap
         reference += steps
         total += steps * eager_ms + (epoch_steps - steps) * compiled_ms
     share = reference * eager_ms / total
@@ -229,8 +246,8 @@ def test_without_drift_resampling_the_chunks_costs_little_width():
     _, low, high = speedup_interval(eager, compiled)
     point, chunked_low, chunked_high = speedup_interval(eager, compiled, chunks=[CHUNK] * 4)
     assert chunked_low < point < chunked_high and chunked_high - chunked_low < 2 * (high - low)
-    assert speedup_interval(eager, compiled, chunks=[20]) == (point, low, high), "one chunk: the steps' bootstrap"
-    with pytest.raises(ValueError, match="hold 10 steps, but `eager_ms` has 20"):
+    assert speedup_interval(eager, compiled, chunks=[len(eager)]) == (point, low, high), "one chunk: the steps'"
+    with pytest.raises(ValueError, match=f"hold 10 steps, but `eager_ms` has {len(eager)}"):
         speedup_interval(eager, compiled, chunks=[5, 5])
 
 
@@ -278,11 +295,11 @@ def test_degenerate_samples_give_the_point_alone_and_never_raise(eager, compiled
 def test_the_reference_pool_keeps_the_last_chunks_so_the_median_follows_drift():
     pool = ReferencePool(chunks=2)
     assert pool.median() is None and pool.epochs is None and pool.thin
-    pool.add([30.0] * 5, epoch=0)
+    pool.add([30.0] * CHUNK, epoch=0)
     assert pool.thin  # one chunk: too few steps to judge a plan by (THIN_REFERENCE)
-    pool.add([33.0] * 5, epoch=3)
-    pool.add([36.0] * 5, epoch=6)  # the machine's eager speed drifted: the oldest chunk leaves
-    assert pool.samples == [33.0] * 5 + [36.0] * 5 and pool.epochs == (3, 6) and not pool.thin
+    pool.add([33.0] * CHUNK, epoch=3)
+    pool.add([36.0] * CHUNK, epoch=6)  # the machine's eager speed drifted: the oldest chunk leaves
+    assert pool.samples == [33.0] * CHUNK + [36.0] * CHUNK and pool.epochs == (3, 6) and not pool.thin
     assert pool.median() == pytest.approx(34.5)
     restored = ReferencePool(chunks=2)
     restored.load_state_dict(pool.state_dict())
@@ -292,14 +309,14 @@ def test_the_reference_pool_keeps_the_last_chunks_so_the_median_follows_drift():
 
 
 def test_the_pool_keeps_its_chunks_apart_so_the_interval_can_resample_the_moments():
-    pool = ReferencePool(chunks=3)
+    pool = ReferencePool(chunks=5)  # 15 steps
     pool.add([30.0] * 5, epoch=0)
     pool.add([33.0] * 4 + [36.0] * 5, epoch=1, runs=[4, 5])
     pool.add([], epoch=2, runs=[])
     assert pool.chunks == [5, 4, 5] and pool.samples[4:6] == [30.0, 33.0]
     pool.add([39.0] * 3, epoch=3)  # the oldest chunk is cut to what is left of it
     assert pool.chunks == [3, 4, 5, 3] and sum(pool.chunks) == len(pool.samples) == 15
-    restored = ReferencePool(chunks=3)
+    restored = ReferencePool(chunks=5)
     restored.load_state_dict(pool.state_dict())
     assert restored.chunks == pool.chunks and restored.samples == pool.samples
     restored.add([40.0], epoch=4)
