@@ -156,8 +156,9 @@ seconds; the medians of one fit's 5-step chunks spread by 13-25% (lognormal sd),
 median by 7-15% where two missed it by 6-8% (``benchmarks/RESULTS.md``). So a budget buys more by sampling more
 moments than by timing more steps of one. A chunk's lead-in is pure cost: a chunk of ``n`` spends ``n / (n + 1)``
 of its eager time on timed steps, 67% at 2, 75% at 3, 83% at 5, and chunks of 3 give 1.5 times the moments of
-chunks of 5 for a budget. The first timed step of a chunk ran about 6% slower than the later ones (its median over
-eight fits), and a chunk's median of 3 leaves it out where a median of 2 would take half of it."""
+chunks of 5 for a budget. The first timed step of a chunk ran 7% slower than the chunk's later ones (the median
+over eight fits), the second 2%: a chunk's median of 3 leaves the first out where a median of 2 would take half of
+it."""
 FIRST_REFERENCE = 4
 """Timed eager steps of the fit's first measurement, taken before any step time is known (so before any budget is
 earned): two chunks of 2 at two moments of the first epoch, for the six eager steps one chunk of 5 cost."""
