@@ -167,11 +167,11 @@ MAX_EAGER_SHARE = 1 / 3
 UNKNOWN_EPOCH_STEPS = 1000
 """Steps an epoch of unknown length (an iterable dataset) is planned for: its chunks fall within these."""
 FIRST_CHUNK_DELAY = 40
-"""Plan steps before the first epoch's chunk (at most half the epoch's steps after the plan settles). Taken right
-after the plan search, the reference ran up to 37% slower than plain eager on GPU-bound models (ResNet-18 at batch
-256, BERT at 128, H100), while chunks taken later matched plain eager within 1-3%. The cause is not pinned down (the
-search leaves the GPU idle and inductor's workers busy, and the optimizer graph's trial starts then);
-``benchmarks/RESULTS.md`` has the measurements."""
+"""At least this many plan steps come before the first measurement (fewer in a short epoch: at most half its steps
+after the plan settles). Taken right after the plan search, the reference ran up to 37% slower than plain eager on
+GPU-bound models (ResNet-18 at batch 256, BERT at 128, H100), while chunks taken later matched plain eager within
+1-3%. The cause is not pinned down (the search leaves the GPU idle and inductor's workers busy, and the optimizer
+graph's trial starts then); ``benchmarks/RESULTS.md`` has the measurements."""
 THIN_REFERENCE = 2 * CHUNK
 """A pooled reference of fewer timed eager steps than this is thin: the verdict says so. Two full chunks sample two
 moments of the run, which the interval then resamples (:mod:`~lightning_fuse.interval`); a fit too short for its
