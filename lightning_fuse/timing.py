@@ -151,14 +151,14 @@ CHUNK = 3
 """Timed eager steps in a row, each run of them after one untimed eager step (the switch from compiled code).
 
 Why 3: a shared host's speed moves more between moments of a run than within one. On the H100 machines eager
-ResNet-18 ran about 8 ms a step while the host was fast and 10-13 ms while it was slow, the two alternating within
-seconds; the medians of one fit's 5-step chunks spread by 13-25% (lognormal sd), and one chunk missed the fit's
-median by 7-15% where two missed it by 6-8% (``benchmarks/RESULTS.md``). So a budget buys more by sampling more
-moments than by timing more steps of one. A chunk's lead-in is pure cost: a chunk of ``n`` spends ``n / (n + 1)``
-of its eager time on timed steps, 67% at 2, 75% at 3, 83% at 5, and chunks of 3 give 1.5 times the moments of
-chunks of 5 for a budget. The first timed step of a chunk ran 7% slower than the chunk's later ones (the median
-over eight fits), the second 2%: a chunk's median of 3 leaves the first out where a median of 2 would take half of
-it."""
+ResNet-18 ran 8.2 ms a step while the host was fast and 10.5 ms while it was slow (medians of 100-step blocks), the
+two alternating within seconds; the medians of one fit's 5-step chunks spread by 13-25% (lognormal sd), and one
+chunk missed the fit's median by 7-15% where two missed it by 6-8% (``benchmarks/RESULTS.md``). So a budget buys
+more by sampling more moments than by timing more steps of one. A chunk's lead-in is pure cost: a chunk of ``n``
+spends ``n / (n + 1)`` of its eager time on timed steps, 67% at 2, 75% at 3, 83% at 5, and chunks of 3 give 1.5
+times the moments of chunks of 5 for a budget. The first timed step of a chunk ran 7% slower than the chunk's later
+ones (the median over eight fits), the second 2%: a chunk's median of 3 leaves the first out where a median of 2
+would take half of it."""
 FIRST_REFERENCE = 4
 """Timed eager steps of the fit's first measurement, taken before any step time is known (so before any budget is
 earned): two chunks of 2 at two moments of the first epoch, for the six eager steps one chunk of 5 cost."""
