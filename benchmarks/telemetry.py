@@ -195,11 +195,13 @@ def chunks_by_spin(readings: list[Reading], fit: dict, steps: int) -> list[list[
         >>> chunks_by_spin([("reference", 0, 2, 2.4)], fit, steps=7)
         [[2.4, 21.0]]
     """
-    times = {epoch * steps + i: ms for epoch, epoch_ms in fit["epoch_ms"].items() for i, ms in enumerate(epoch_ms)}
+    times = by_batch(fit["epoch_ms"], steps)
     rows = []
     for kind, epoch, idx, ms in readings:
+        if kind != "reference":
+            continue
         batch, chunk = epoch * steps + idx + 1, []
-        while kind == "reference" and batch in fit["reference_steps"] and batch in times:
+        while batch in fit["reference_steps"] and batch in times:
             chunk.append(times[batch])
             batch += 1
         if chunk:
@@ -207,11 +209,22 @@ def chunks_by_spin(readings: list[Reading], fit: dict, steps: int) -> list[list[
     return rows
 
 
+def by_batch(per_epoch: dict[int, list[float]], steps: int) -> dict[int, float]:
+    """Per-epoch lists of step values (``steps`` batches an epoch) keyed by the fit's batch index instead.
+
+    Example::
+
+        >>> by_batch({0: [1.0, 2.0], 1: [3.0]}, steps=2)
+        {0: 1.0, 1: 2.0, 2: 3.0}
+    """
+    return {epoch * steps + i: value for epoch, values in per_epoch.items() for i, value in enumerate(values)}
+
+
 def reference_cpu_ms(fit: dict, steps: int) -> tuple[list[float], list[int]]:
     """The main thread's CPU milliseconds of each reference step of ``fit`` (``steps`` batches an epoch), and how
     many of them each chunk (a run of consecutive batches) holds, as :func:`pooled_reference` gives them."""
     marked = sorted(fit["reference_steps"])
-    cpu = {epoch * steps + i: ms for epoch, epoch_cpu in fit["epoch_cpu_ms"].items() for i, ms in enumerate(epoch_cpu)}
+    cpu = by_batch(fit["epoch_cpu_ms"], steps)
     kept = [batch for batch in marked if batch in cpu]
     chunks: list[int] = []
     for previous, batch in zip([None, *kept], kept):
