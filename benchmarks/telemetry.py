@@ -15,7 +15,10 @@ the last epoch: 1 when the in-run reference runs as fast as plain eager (``optim
 as torch chooses); ``reference_age`` is how many epochs old
 that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager_ratio_low``/``eager_ratio_high``
 is its 95% interval, ``reference_steps`` how many reference steps it has and ``reference_chunks`` in how many
-chunks (moments of the run) they came, which the logged interval resamples where there are two or more. A
+chunks (moments of the run) they came, which the logged interval resamples where there are two or more
+(``reference_ms`` and ``reference_sizes``: the steps themselves and each chunk's count, ``dense_ms`` and
+``dense_sizes`` the dense fit's, and ``plan_step_ms`` the logged median plan step of the last epoch, so that an
+interval can be recomputed from a record). A
 default reference has a handful, too few to see a 3% difference in host-bound eager steps, so the dense fit
 measures the same ratio from many (``eager_ratio_dense``, with its interval, and ``eager_ratio_by_position``: the
 same ratio for the first timed step of each chunk after its lead-in, for the second, and so on), and
@@ -61,7 +64,8 @@ FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_l
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
           "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "eager_cpu_by_position",
-          "spin_ms_by_fit", "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
+          "reference_ms", "reference_sizes", "dense_ms", "dense_sizes", "plan_step_ms", "spin_ms_by_fit",
+          "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
           "eager_by_spin", "plan_by_spin", "reference_by_spin", "dense_by_spin", "switches_by_fit", "reference_age",
           "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
@@ -273,7 +277,8 @@ def measure(spec: dict) -> dict:
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
         "eager_ratio_in_run": ratio_of_medians(reference, eager), "eager_ratio_low": in_run_low,
         "eager_ratio_high": in_run_high, "reference_steps": len(reference),
-        "reference_chunks": len(chunks),
+        "reference_chunks": len(chunks), "reference_ms": reference, "reference_sizes": chunks, "dense_ms": dense,
+        "dense_sizes": dense_chunks, "plan_step_ms": history.get("fuse/step_ms"),
         "eager_ratio_dense": ratio_of_medians(dense, eager), "eager_ratio_dense_low": dense_low,
         "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
