@@ -1,9 +1,13 @@
-"""The speedup's interval: a bootstrap of the ratio of the eager reference's median step to the compiled one's.
+"""The speedup's interval: the ratio of the eager reference's median step to the compiled one's, with its spread.
 
 The eager reference comes in chunks of steps in a row (:data:`~lightning_fuse.timing.CHUNK`), each one moment of the
-run, and a shared machine's speed drifts between moments by more than it varies within one. Where the reference
-holds two chunks or more, the interval resamples the chunks first and the steps within each after (a two-stage, or
-cluster, bootstrap), so it widens with the drift between the moments it saw. One chunk shows no drift: its
+run, and a shared machine's speed moves between moments by more than it varies within one: on the H100 machines a
+chunk's median of eager steps spread by 13-26% (lognormal sd) between the moments of one fit
+(``benchmarks/RESULTS.md``). So where the reference holds two chunks or more, each chunk is one observation of the
+run's eager speed, and the eager side's spread is a Student-t on the chunks' log medians with one degree of freedom
+fewer than chunks, the rule for few clusters (a bootstrap that resamples two or three chunks cannot see how far a
+third moment would fall, and missed the separate eager fits' median in about half the draws of two). The interval
+widens with the drift between the moments it saw and narrows as it sees more. One chunk shows no drift: its
 steps are resampled as if independent, and the interval is a lower bound (the verdict calls such a reference thin).
 
 Example::
@@ -39,12 +43,12 @@ def speedup_interval(
 ) -> tuple[float | None, float | None, float | None]:  # fmt: skip
     """The speedup (median eager step over median compiled step) with a bootstrap interval.
 
-    Both samples are resampled (:data:`BOOTSTRAP_RESAMPLES` times, percentile method, seeded), so the interval
-    carries the spread of the eager reference as well as the compiled steps'. With ``chunks`` of two or more, the
-    eager side is resampled chunk by chunk (the module's docstring says why); otherwise ``scipy.stats.bootstrap``
-    resamples each side's steps. On lognormal step times the interval covers the true ratio in 93-96% of trials at
-    95%, from 5 eager steps up; with drift between chunks it covers it far more often than a resampling of steps
-    (``tests/test_timing.py``). Nothing clamps the ratio: a plan slower than eager gives less than 1.
+    The compiled steps are resampled (:data:`BOOTSTRAP_RESAMPLES` times, percentile method, seeded). With ``chunks``
+    of two or more, the eager median is drawn as many times from its chunks' Student-t (the module's docstring says
+    why; never narrower than its steps' own spread); otherwise ``scipy.stats.bootstrap`` resamples each side's steps.
+    On lognormal step times the interval covers the true ratio in 93-96% of trials at 95%, from 5 eager steps up;
+    with drift between chunks, in about 95% from two chunks up (``tests/test_timing.py``). Nothing clamps the ratio:
+    a plan slower than eager gives less than 1.
 
     Args:
         eager_ms: The eager reference's step times, oldest first (e.g. :attr:`ReferencePool.samples`).
@@ -83,8 +87,8 @@ def speedup_interval(
     if chunks is not None and len(chunks) > 1:
         thinned = _thin(compiled)
         compiled_medians = np.median(rng.choice(thinned, (BOOTSTRAP_RESAMPLES, len(thinned))), axis=1)
-        ratios = _chunked_medians(eager, chunks, rng) / compiled_medians
-        low, high = np.percentile(ratios, [50 * (1 - confidence), 50 * (1 + confidence)])
+        log_ratios = _eager_log_medians(eager, chunks, rng) - np.log(compiled_medians)
+        low, high = np.exp(np.percentile(log_ratios, [50 * (1 - confidence), 50 * (1 + confidence)]))
     else:
         result = stats.bootstrap(
             (_thin(eager), _thin(compiled)), _ratio_of_medians, n_resamples=BOOTSTRAP_RESAMPLES, vectorized=True,
@@ -96,20 +100,14 @@ def speedup_interval(
     return point, float(low), float(high)
 
 
-def _chunked_medians(eager: np.ndarray, chunks: Sequence[int], rng: np.random.Generator) -> np.ndarray:
-    """Medians of :data:`BOOTSTRAP_RESAMPLES` two-stage resamples of ``eager``: as many chunks as it has, drawn with
-    replacement, each filled with its own steps drawn with replacement."""
-    sizes = np.asarray(chunks)
-    width = int(sizes.max())
-    table = np.full((len(sizes), width), np.nan)  # one row a chunk, padded
-    for row, (start, size) in enumerate(zip(np.cumsum(sizes) - sizes, sizes)):
-        table[row, :size] = eager[start : start + size]
-    drawn = rng.integers(0, len(sizes), (BOOTSTRAP_RESAMPLES, len(sizes)))
-    drawn_sizes = sizes[drawn][..., None]
-    steps = (rng.random((*drawn.shape, width)) * drawn_sizes).astype(int)
-    values = table[drawn[..., None], steps]
-    values[np.arange(width) >= drawn_sizes] = np.nan  # a smaller chunk fills only its own size
-    return np.nanmedian(values.reshape(BOOTSTRAP_RESAMPLES, -1), axis=1)
+def _eager_log_medians(eager: np.ndarray, chunks: Sequence[int], rng: np.random.Generator) -> np.ndarray:
+    """:data:`BOOTSTRAP_RESAMPLES` draws of the log of the run's eager median from ``eager``'s chunks (moments): the
+    pooled median's log plus ``se * t``, ``t`` a Student-t with one degree of freedom fewer than chunks and ``se`` the
+    standard error of the chunks' mean log median, or of the steps' as if independent where that is larger."""
+    logs = np.log(eager)
+    medians = np.array([np.median(chunk) for chunk in np.split(logs, np.cumsum(chunks)[:-1])])
+    se = max(medians.std(ddof=1) / math.sqrt(len(medians)), logs.std(ddof=1) / math.sqrt(len(logs)))
+    return math.log(np.median(eager)) + se * rng.standard_t(len(medians) - 1, BOOTSTRAP_RESAMPLES)
 
 
 def _ratio_of_medians(eager: np.ndarray, compiled: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -159,9 +159,13 @@ spends ``n / (n + 1)`` of its eager time on timed steps, 67% at 2, 75% at 3, 83%
 times the moments of chunks of 5 for a budget. The first timed step of a chunk ran 7% slower than the chunk's later
 ones (the median over eight fits), the second 2%: a chunk's median of 3 leaves the first out where a median of 2
 would take half of it."""
-FIRST_REFERENCE = 4
+FIRST_REFERENCE = 3
 """Timed eager steps of the fit's first measurement, taken before any step time is known (so before any budget is
-earned): two chunks of 2 at two moments of the first epoch, for the six eager steps one chunk of 5 cost."""
+earned): one at each of three moments of the first epoch, each after its lead-in, for the six eager steps one chunk
+of 5 cost. Three moments, not two chunks of 2: the interval's Student-t over the moments has two degrees of freedom
+instead of one, a third of the width at the same spread (:mod:`~lightning_fuse.interval`). A single timed step
+carries the switch's transient (a chunk's first step ran 7% slower than its later ones, the median over eight fits,
+0.95-1.11), less than the host's spread between moments (13-26%), which the interval covers."""
 MAX_EAGER_SHARE = 1 / 3
 """At most this share of an epoch's steps run eagerly for the reference; a short epoch gets fewer reference steps."""
 UNKNOWN_EPOCH_STEPS = 1000
@@ -194,9 +198,9 @@ def reference_step_cost(eager_ms: float, compiled_ms: float, budget: float) -> f
     return eager_ms * (1 - budget) + budget * compiled_ms
 
 
-def _fit_in_room(timed: int, room: float) -> int:
-    """The most timed steps, at most ``timed``, whose chunks and lead-ins fit in ``room`` steps."""
-    while timed and timed + math.ceil(timed / CHUNK) > room:
+def _fit_in_room(timed: int, room: float, chunk: int = CHUNK) -> int:
+    """The most timed steps, at most ``timed``, whose chunks of ``chunk`` and their lead-ins fit in ``room`` steps."""
+    while timed and timed + math.ceil(timed / chunk) > room:
         timed -= 1
     return timed
 
@@ -261,7 +265,7 @@ class EagerSchedule:
     epoch's steps after compile and warmup, so the eager and compiled medians come from the same minutes of the
     same run (on shared machines host-bound steps drift by 5-10% within a run).
 
-    How many: the first epoch takes :data:`FIRST_REFERENCE` steps in two chunks spread over its steps after compile
+    How many: the first epoch takes :data:`FIRST_REFERENCE` steps, one a chunk, spread over its steps after compile
     and warmup (and :data:`FIRST_CHUNK_DELAY` plan steps more, or less in a short epoch), as nothing is known
     before; from then on, the caller passes the step times measured so far and :func:`affordable_reference` buys
     what the budget allows, carrying what is left as credit. So the reference (timed steps and lead-ins) takes at
@@ -283,10 +287,10 @@ class EagerSchedule:
     Example::
 
         >>> schedule = EagerSchedule(eager_steps=20, warmup=2)
-        >>> schedule.plan_epoch(first_step=0, steps=100, settle=1)  # nothing known yet: 2 chunks, 40 steps on
-        4
-        >>> [step for step in range(100) if schedule.is_eager(step)]  # fit start, then lead-in and 2 timed, twice
-        [0, 1, 55, 56, 57, 83, 84, 85]
+        >>> schedule.plan_epoch(first_step=0, steps=100, settle=1)  # nothing known yet: 3 moments, 40 steps on
+        3
+        >>> [step for step in range(100) if schedule.is_eager(step)]  # fit start, then lead-in and timed, thrice
+        [0, 1, 51, 52, 70, 71, 88, 89]
         >>> schedule.plan_epoch(first_step=100, steps=100, settle=1, eager_ms=30.0, compiled_ms=10.0)  # in debt
         0
         >>> round(schedule.credit_ms, 1)  # 2% of 200 steps at 10 ms, less 6 reference steps at 29.6 ms
@@ -333,17 +337,17 @@ class EagerSchedule:
         if self.reference_budget is None:
             timed = _fit_in_room(self.eager_steps, room)
         elif first or compiled_ms is None:
-            timed = _fit_in_room(min(self.eager_steps, FIRST_REFERENCE), room) if first else 0
-            self._unsettled.append((steps, timed + math.ceil(timed / CHUNK)))
+            timed = _fit_in_room(min(self.eager_steps, FIRST_REFERENCE), room, chunk=1) if first else 0
+            self._unsettled.append((steps, 2 * timed))  # each timed step after its lead-in
         else:
             self._settle(eager_ms, compiled_ms)
             timed, self.credit_ms = affordable_reference(
                 steps, eager_ms, compiled_ms, self.reference_budget, self.credit_ms, self.eager_steps, room
             )
-        if first:  # its chunks spread over the epoch's steps after the delay
+        if first:  # one step a chunk, spread over the epoch's steps after the delay
             delay = min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK))
             low, span = low + delay, span - delay
-        self._place(low, span, timed)
+        self._place(low, span, timed, chunk=1 if first else CHUNK)
         return timed
 
     def _settle(self, eager_ms: float, compiled_ms: float) -> None:
@@ -353,9 +357,10 @@ class EagerSchedule:
             self.credit_ms += budget * steps * compiled_ms - reference * unit
         self._unsettled = []
 
-    def _place(self, low: int, span: int, timed: int) -> None:
-        """Spread ``timed`` steps in chunks evenly over ``span`` steps from ``low``, each after a lead-in step."""
-        chunks = math.ceil(timed / CHUNK)
+    def _place(self, low: int, span: int, timed: int, chunk: int) -> None:
+        """Spread ``timed`` steps in chunks of up to ``chunk`` evenly over ``span`` steps from ``low``, each after a
+        lead-in step."""
+        chunks = math.ceil(timed / chunk)
         for index in range(chunks):
             size = timed // chunks + (index < timed % chunks)
             lead_in = low + max(0, int((index + 0.5) * span / chunks - (size + 1) / 2))

@@ -94,15 +94,16 @@ def runs(steps: list[int]) -> list[list[int]]:
     return chunks
 
 
-def test_the_first_measurement_is_two_chunks_spread_over_the_epoch_a_while_after_the_plan_settles():
+def test_the_first_measurement_is_three_moments_spread_over_the_epoch_a_while_after_the_plan_settles():
     schedule = EagerSchedule(eager_steps=20, warmup=3)
-    assert schedule.plan_epoch(first_step=0, steps=1000, settle=2) == FIRST_REFERENCE == 4  # nothing known yet
+    assert schedule.plan_epoch(first_step=0, steps=1000, settle=2) == FIRST_REFERENCE == 3  # nothing known yet
     settled = 3 + 2  # the fit-start steps, then the plan's compile and capture
     chunks = runs([s for s in range(1000) if schedule.is_timed(s)])
-    assert [len(chunk) for chunk in chunks] == [2, 2], "two moments of the run, for the cost of one chunk of 5"
+    assert [len(chunk) for chunk in chunks] == [1, 1, 1], "three moments of the run, for the cost of one chunk of 5"
     assert all(schedule.is_lead_in(chunk[0] - 1) for chunk in chunks)
     assert chunks[0][0] > settled + FIRST_CHUNK_DELAY, "not right after the search"
-    assert chunks[1][0] - chunks[0][0] > 400 and chunks[1][-1] < 999, "far apart, within the epoch"
+    gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
+    assert min(gaps) > 250 and chunks[-1][-1] < 999, "far apart, within the epoch"
 
 
 def test_a_short_first_epoch_takes_its_chunks_in_what_is_left_after_a_shorter_delay():
@@ -110,14 +111,14 @@ def test_a_short_first_epoch_takes_its_chunks_in_what_is_left_after_a_shorter_de
     assert schedule.plan_epoch(first_step=0, steps=40, settle=2) == FIRST_REFERENCE
     lead_ins = [s for s in range(40) if schedule.is_lead_in(s)]
     delay = (40 - 1 - 5) // 2 - CHUNK  # half of what is left, less a chunk
-    assert len(lead_ins) == 2 and 5 + delay < lead_ins[0] < lead_ins[1] < 40 - CHUNK
+    assert len(lead_ins) == 3 and 5 + delay < lead_ins[0] < lead_ins[1] < lead_ins[2] < 40 - 1
 
 
 def test_the_first_measurement_is_retried_until_an_epoch_has_room_for_it():
     schedule = EagerSchedule(eager_steps=20, warmup=3)
-    assert schedule.plan_epoch(first_step=0, steps=8, settle=1) == 0  # 1 step of room: too few for 2 + 4
+    assert schedule.plan_epoch(first_step=0, steps=8, settle=1) == 0  # 1 step of room: too few for a lead-in + 1
     assert schedule.plan_epoch(first_step=8, steps=50, settle=1) == FIRST_REFERENCE  # nothing measured: try again
-    assert len([s for s in range(8, 58) if schedule.is_lead_in(s)]) == 2
+    assert len([s for s in range(8, 58) if schedule.is_lead_in(s)]) == 3
 
 
 def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 0.02, eager_steps: int = 20,
@@ -133,7 +134,7 @@ def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 
         timed = schedule.plan_epoch(first, epoch_steps, settle=1, **known)
         steps = range(first, first + epoch_steps)
         reference = sum(schedule.is_timed(s) or schedule.is_lead_in(s) for s in steps)
-        assert reference == timed + math.ceil(timed / CHUNK) and timed <= eager_steps
+        assert reference == timed + math.ceil(timed / (CHUNK if epoch else 1)) and timed <= eager_steps
         eager = sum(schedule.is_eager(s) for s in steps)  # reference and fit-start steps
         reference_ms += reference * eager_ms
         train_ms += eager * eager_ms + (epoch_steps - eager) * compiled_ms
@@ -145,7 +146,7 @@ def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 
 @pytest.mark.parametrize("epoch_steps", [50, 1000])
 @pytest.mark.parametrize("speedup", [1.1, 5.0])
 def test_the_reference_stays_within_its_budget_over_a_fit_and_keeps_measuring(epoch_steps, speedup):
-    budget, first_steps = 0.02, FIRST_REFERENCE + math.ceil(FIRST_REFERENCE / CHUNK)
+    budget, first_steps = 0.02, 2 * FIRST_REFERENCE  # each timed step after its lead-in
     payback_steps = first_steps * speedup / budget  # steps after which the first measurement's debt is repaid
     epochs = max(5, math.ceil(8 * payback_steps / epoch_steps))  # long enough for a few chunks after the first
     placed, shares = simulate_fit(epochs, epoch_steps, speedup, budget)
@@ -171,7 +172,7 @@ def test_the_budget_ledger_survives_a_checkpoint():
 @pytest.mark.parametrize(("epochs", "epoch_steps", "speedup"), [(1, 50, 5.0), (1, 1000, 5.0), (3, 50, 1.1)])
 def test_a_short_fit_always_gets_one_measurement_and_no_more(epochs, epoch_steps, speedup):
     placed, shares = simulate_fit(epochs, epoch_steps, speedup)
-    first_steps = FIRST_REFERENCE + math.ceil(FIRST_REFERENCE / CHUNK)  # the floor: the least that measures
+    first_steps = 2 * FIRST_REFERENCE  # the floor, the least that measures: each timed step after its lead-in
     assert placed[0] == first_steps and sum(placed) == first_steps
     assert shares[-1] > 0
 
@@ -238,6 +239,23 @@ def test_resampling_the_chunks_covers_a_speedup_that_drift_between_them_hides_fr
             _, low, high = speedup_interval(eager, compiled, chunks=sizes)
             covered[name] += low <= 3.0 <= high
     assert covered["chunks"] >= 80 and covered["chunks"] >= covered["steps"] + 10, covered
+
+
+@pytest.mark.parametrize("sizes", [[1, 1, 1], [CHUNK, CHUNK], [1, 1, 1] + [CHUNK] * 4])
+def test_at_the_hosts_drift_between_moments_the_interval_covers_the_speedup_from_two_moments_up(sizes):
+    """The H100 machines' chunks spread by 13-26% between the moments of one fit: at 15%, the interval over a first
+    measurement (three single steps), two chunks or a pool of seven still covers the truth, narrowing with moments."""
+    covered, half_widths = 0, []
+    for seed in range(200):
+        rng = np.random.default_rng(seed)
+        eager = np.concatenate([lognormal_steps(rng, 30.0 * math.exp(rng.normal(0.0, 0.15)), size, sigma=0.03)
+                                for size in sizes])  # fmt: skip
+        point, low, high = speedup_interval(eager, lognormal_steps(rng, 10.0, 300, sigma=0.03), chunks=sizes)
+        covered += low <= 3.0 <= high
+        half_widths.append((high - low) / 2 / point)
+    assert covered >= 180, f"covered the truth in {covered} of 200 trials"
+    if len(sizes) > 3:  # seven moments know the run's eager speed within about 13% at this drift
+        assert statistics.median(half_widths) < 0.2
 
 
 def test_without_drift_resampling_the_chunks_costs_little_width():
