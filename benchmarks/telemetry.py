@@ -9,11 +9,13 @@ with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats
 ``independent_adjacent`` the same ratio from the second eager-only fit alone, the one run right before the
 ``eager_steps=0`` fit (the nearer moment of the host's);
 ``reference_cost`` is the ``FuseCallback()`` fit's last-epoch training time over the ``eager_steps=0`` fit's,
-minus 1 (what the reference steps cost). ``eager_ratio_in_run`` is the median of the ``FuseCallback()`` fit's
-pooled eager reference steps (the eager side of its last epoch's speedup) over the eager-only fits' median step in
-the last epoch: 1 when the in-run reference runs as fast as plain eager (``optimizer``: every fit's AdamW, fused or
-as torch chooses); ``reference_age`` is how many epochs old
-that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager_ratio_low``/``eager_ratio_high``
+minus 1 (what the reference steps cost, and how far the host moved between the two fits), and
+``reference_cost_in_run`` the reference's share of the whole ``FuseCallback()`` fit's training time as the callback
+itself counts it (the steps it ran eagerly for the reference, lead-ins included, in one fit).
+``eager_ratio_in_run`` is the median of the ``FuseCallback()`` fit's pooled eager reference steps (the eager
+side of its last epoch's speedup) over the eager-only fits' median step in the last epoch: 1 when the in-run
+reference runs as fast as plain eager (``optimizer``: every fit's AdamW, fused or as torch chooses);
+``reference_age`` is how many epochs old that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager_ratio_low``/``eager_ratio_high``
 is its 95% interval, ``reference_steps`` how many reference steps it has and ``reference_chunks`` in how many
 chunks (moments of the run) they came, which the logged interval resamples where there are two or more
 (``reference_ms`` and ``reference_sizes``: the steps themselves and each chunk's count, ``dense_ms`` and
@@ -60,7 +62,8 @@ from lightning_fuse import FuseCallback
 from lightning_fuse.timing import EAGER, LEAD_IN
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
-          "independent_low", "independent_high", "independent_adjacent", "reference_cost", "eager_ratio_in_run",
+          "independent_low", "independent_high", "independent_adjacent", "reference_cost", "reference_cost_in_run",
+          "eager_ratio_in_run",
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
           "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "eager_cpu_by_position",
@@ -91,11 +94,15 @@ def interval(numerator: list[float], denominator: list[float]) -> tuple[float | 
     return float(result.confidence_interval.low), float(result.confidence_interval.high)
 
 
-def pooled_reference(callbacks: list) -> tuple[list[float], list[int]]:
-    """The FuseCallback's pooled eager reference steps (ms) at the fit's end, and how many of them each chunk
-    holds, oldest first; ``([], [])`` without a FuseCallback."""
+def pooled_reference(callbacks: list) -> tuple[list[float], list[int], float | None]:
+    """The FuseCallback's pooled eager reference steps (ms) at the fit's end, how many of them each chunk holds,
+    oldest first, and the reference's share of the fit's training time by the callback's own account (timed steps
+    and lead-ins, the verdict's ``reference cost``); ``([], [], None)`` without a FuseCallback."""
     fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
-    return (fuse.fit.pool.samples, fuse.fit.pool.chunks) if fuse is not None else ([], [])
+    if fuse is None:
+        return [], [], None
+    cost = fuse.fit.reference_ms / fuse.fit.train_ms if fuse.fit.train_ms > 0 else None
+    return fuse.fit.pool.samples, fuse.fit.pool.chunks, cost
 
 
 def by_position(steps: list[float], chunks: list[int], eager: list[float]) -> list[float] | None:
@@ -266,7 +273,7 @@ def measure(spec: dict) -> dict:
     eager, compiled = last["eager_1"] + last["eager_2"], last["fuse_0"]
     history = fits["fuse"]["history"][-1] if fits["fuse"]["history"] else {}
     low, high = interval(eager, compiled)
-    (reference, chunks), (dense, dense_chunks) = fits["fuse"]["reference"], fits["fuse_dense"]["reference"]
+    (reference, chunks, own_cost), (dense, dense_chunks, _) = fits["fuse"]["reference"], fits["fuse_dense"]["reference"]
     in_run_low, in_run_high = interval(reference, eager)
     dense_low, dense_high = interval(dense, eager)
     return {
@@ -275,6 +282,7 @@ def measure(spec: dict) -> dict:
         "independent": ratio_of_medians(eager, compiled), "independent_low": low, "independent_high": high,
         "independent_adjacent": ratio_of_medians(last["eager_2"], compiled),
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
+        "reference_cost_in_run": own_cost,
         "eager_ratio_in_run": ratio_of_medians(reference, eager), "eager_ratio_low": in_run_low,
         "eager_ratio_high": in_run_high, "reference_steps": len(reference),
         "reference_chunks": len(chunks), "reference_ms": reference, "reference_sizes": chunks, "dense_ms": dense,

@@ -178,6 +178,7 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     assert record["independent_adjacent"] > 0
     assert len(record["reference_ms"]) == sum(record["reference_sizes"]) == record["reference_steps"], "recomputable"
     assert len(record["dense_ms"]) == sum(record["dense_sizes"])
+    assert record["reference_cost_in_run"] is None or 0 <= record["reference_cost_in_run"] < 1
     for ratio in ("eager_cpu_ratio_in_run", "eager_cpu_ratio_dense"):  # None where a fit took no reference step
         assert record[ratio] is None or record[ratio] > 0
     if record["eager_ratio_dense"] is not None:  # the dense fit took reference steps: their host side is read too
