@@ -15,15 +15,15 @@ itself counts it (the steps it ran eagerly for the reference, lead-ins included,
 ``eager_ratio_in_run`` is the median of the ``FuseCallback()`` fit's pooled eager reference steps (the eager
 side of its last epoch's speedup) over the eager-only fits' median step in the last epoch: 1 when the in-run
 reference runs as fast as plain eager (``optimizer``: every fit's AdamW, fused or as torch chooses);
-``reference_age`` is how many epochs old that pool's newest chunk was in the last epoch (``fuse/reference_age``); ``eager_ratio_low``/``eager_ratio_high``
-is its 95% interval, ``reference_steps`` how many reference steps it has and ``reference_chunks`` in how many
-chunks (moments of the run) they came, which the logged interval resamples where there are two or more
-(``reference_ms`` and ``reference_sizes``: the steps themselves and each chunk's count, ``dense_ms`` and
-``dense_sizes`` the dense fit's, and ``plan_step_ms`` the logged median plan step of the last epoch, so that an
-interval can be recomputed from a record). A
-default reference has a handful, too few to see a 3% difference in host-bound eager steps, so the dense fit
-measures the same ratio from many (``eager_ratio_dense``, with its interval, and ``eager_ratio_by_position``: the
-same ratio for the first timed step of each chunk after its lead-in, for the second, and so on), and
+``reference_age`` is how many epochs old that pool's newest chunk was in the last epoch (``fuse/reference_age``);
+``eager_ratio_low``/``eager_ratio_high`` is its 95% interval, ``reference_steps`` how many reference steps it has
+and ``reference_chunks`` in how many chunks (moments of the run) they came, over which the logged interval spreads
+where there are two or more (``reference_ms`` and ``reference_sizes``: the steps themselves and each chunk's
+count, ``dense_ms`` and ``dense_sizes`` the dense fit's, and ``plan_step_ms`` the logged median plan step of the
+last epoch, so that an interval can be recomputed from a record). A default reference has a handful, too few to
+see a 3% difference in host-bound eager steps, so the dense fit measures the same ratio from many
+(``eager_ratio_dense``, with its interval, and ``eager_ratio_by_position``: the same ratio for the first timed step
+of each chunk after its lead-in, for the second, and so on), and
 ``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
 of one process agree. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main
 thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_in_run`` and
