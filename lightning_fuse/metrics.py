@@ -251,9 +251,9 @@ def verdict_line(
         >>> rows = [{"epoch": 0, "fuse/speedup": 2.41, "fuse/speedup_low": 2.3, "fuse/speedup_high": 2.5}]
         >>> verdict_line("regions + graph", rows, compile_s=31.2, break_even_step=310)
         'FuseCallback: 2.4x faster (2.3-2.5) with regions + graph; compile 31 s, paid back at step 310'
-        >>> thin = verdict_line("regions", rows, compile_s=4.0, reference_steps=4, reference_cost=0.041)
+        >>> thin = verdict_line("regions", rows, compile_s=4.0, reference_steps=3, reference_cost=0.041)
         >>> thin.split("; ")[2:]
-        ['reference thin: 4 eager steps', 'reference cost 4.1% of training time']
+        ['reference thin: 3 eager steps', 'reference cost 4.1% of training time']
         >>> verdict_line("regions", [], compile_s=4.0, eager_steps=0)
         'FuseCallback: ran regions; speedup not measured (eager_steps=0); compile 4.0 s'
     """
