@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -102,7 +103,7 @@ def test_the_first_measurement_is_three_moments_spread_over_the_epoch_a_while_af
     assert [len(chunk) for chunk in chunks] == [1, 1, 1], "three moments of the run, for the cost of one chunk of 5"
     assert all(schedule.is_lead_in(chunk[0] - 1) for chunk in chunks)
     assert chunks[0][0] > settled + FIRST_CHUNK_DELAY, "not right after the search"
-    gaps = [b[0] - a[0] for a, b in zip(chunks, chunks[1:])]
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(chunks)]
     assert min(gaps) > 250 and chunks[-1][-1] < 999, "far apart, within the epoch"
 
 
