@@ -101,8 +101,7 @@ def pooled_reference(callbacks: list) -> tuple[list[float], list[int], float | N
     fuse = next((cb for cb in callbacks if isinstance(cb, FuseCallback)), None)
     if fuse is None:
         return [], [], None
-    cost = fuse.fit.reference_ms / fuse.fit.train_ms if fuse.fit.train_ms > 0 else None
-    return fuse.fit.pool.samples, fuse.fit.pool.chunks, cost
+    return fuse.fit.pool.samples, fuse.fit.pool.chunks, fuse.fit.reference_cost
 
 
 def by_position(steps: list[float], chunks: list[int], eager: list[float]) -> list[float] | None:

@@ -106,6 +106,11 @@ class FitState:
     capture_optimizer: Any = None
     """How an optimizer's update is captured (``None``: in a CUDA graph; a test on CPU fakes it)."""
 
+    @property
+    def reference_cost(self) -> float | None:
+        """The eager reference's share of the fit's training time so far (``None`` before any step was timed)."""
+        return self.reference_ms / self.train_ms if self.train_ms else None
+
     def plan_name(self) -> str:
         return self.plan.name if self.plan is not None else "eager"
 

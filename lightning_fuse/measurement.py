@@ -123,7 +123,7 @@ def verdict(fit: FitState, history: list[dict[str, Any]]) -> str:
                         device_type=fit.setting.device.type if fit.setting else "cpu",
                         eager_steps=fit.schedule.eager_steps,
                         reference_steps=len(fit.pool.samples),
-                        reference_cost=fit.reference_ms / fit.train_ms if fit.train_ms else None)  # fmt: skip
+                        reference_cost=fit.reference_cost)  # fmt: skip
 
 
 def _measures_only(fit: FitState) -> bool:

@@ -334,20 +334,21 @@ class EagerSchedule:
         span = first_step + steps - 1 - low
         room = span * MAX_EAGER_SHARE
         first = eager_ms is None and self.reference_budget is not None
+        chunk = 1 if first else CHUNK  # the first measurement: one timed step at each of its moments
         if self.reference_budget is None:
             timed = _fit_in_room(self.eager_steps, room)
         elif first or compiled_ms is None:
-            timed = _fit_in_room(min(self.eager_steps, FIRST_REFERENCE), room, chunk=1) if first else 0
-            self._unsettled.append((steps, 2 * timed))  # each timed step after its lead-in
+            timed = _fit_in_room(min(self.eager_steps, FIRST_REFERENCE), room, chunk) if first else 0
+            self._unsettled.append((steps, timed + math.ceil(timed / chunk)))
         else:
             self._settle(eager_ms, compiled_ms)
             timed, self.credit_ms = affordable_reference(
                 steps, eager_ms, compiled_ms, self.reference_budget, self.credit_ms, self.eager_steps, room
             )
-        if first:  # one step a chunk, spread over the epoch's steps after the delay
+        if first:  # its moments spread over the epoch's steps after the delay
             delay = min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK))
             low, span = low + delay, span - delay
-        self._place(low, span, timed, chunk=1 if first else CHUNK)
+        self._place(low, span, timed, chunk)
         return timed
 
     def _settle(self, eager_ms: float, compiled_ms: float) -> None:
