@@ -24,7 +24,9 @@ batches of Markov-chain text instead, a new one at every step of an epoch (``mod
 holds each fit to its own eager, then every variant to full precision). The variant ``fuse_idle`` is
 ``FuseCallback(targets=[])``, the callback's own cost as it compiles nothing (``fuse_idle_unsampled``: without its
 NVML sampler);
-``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's, and
+``fuse_no_graph`` and ``fuse_no_optimizer_graph`` leave out the network's CUDA graph or the optimizer's,
+``fuse_emulated_casts`` has inductor round each intermediate to bf16 where eager's op would (its
+``emulate_precision_casts``: a fused kernel otherwise keeps them in float32), and
 ``fuse_forced_graph`` forces the whole network compiled under one graph without a search
 (``fuse_forced_graph_noref``: and without eager reference steps; ``fuse_forced_compile``: the same schedule with
 no graph), to find which piece moves the losses or the time. On a machine with 2 GPUs:
@@ -60,6 +62,7 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
            "fuse_idle_unsampled": ("fuse", {}, {"targets": [], "gpu_sample_hz": 0}),
            "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
            "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False}),
+           "fuse_emulated_casts": ("fuse", {}, {"options": {"emulate_precision_casts": True}}),
            "fuse_forced_graph": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True}),
            "fuse_forced_compile": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False}),
            "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
