@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
 import harness
 import lightning.pytorch as pl
@@ -309,6 +310,50 @@ def measure(spec: dict) -> dict:
     }  # fmt: skip
 
 
+def coverage(records: list[dict]) -> str:
+    """The issue's checks, case by case and in all, as Markdown: each case's newest record (model, batch, epoch
+    steps, optimizer) that has a logged interval and an independent ratio. A case is ``in`` where the independent
+    ratio lies inside the logged interval, ``ovl`` where only their intervals overlap; the half-width is relative
+    to the logged point; ``in-run`` is ``eager_ratio_in_run``, ``cost`` the ``reference_cost_in_run``.
+
+    Example::
+
+        >>> rows = [{"model": "m", "batch_size": 8, "epoch_steps": 200, "logged": 5.0, "logged_low": 4.8,
+        ...          "logged_high": 5.2, "independent": 5.1, "independent_low": 5.0, "independent_high": 5.2,
+        ...          "eager_ratio_in_run": 1.02, "reference_cost_in_run": 0.012}]
+        >>> print(coverage(rows).splitlines()[2])
+        | m | 8 | 200 | fused | 5.00 (4.80-5.20) | 5.10 (5.00-5.20) | in | 4% | 1.02 | 1.2% |
+        >>> print(coverage(rows).splitlines()[-1])
+        Inside 1 of 1 (100%); overlapping 1 (100%); in-run within 3% 1 of 1; half-width <= 5% on 200- and 1000-step \
+epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
+    """
+    newest = {}
+    for record in records:
+        if None not in (record.get("logged_low"), record.get("logged_high"), record.get("independent")):
+            newest[tuple(record.get(k) or "fused" for k in ("model", "batch_size", "epoch_steps", "optimizer"))] = record
+    lines = ["| model | batch | epoch | optimizer | logged (interval) | measured apart | | half-width | in-run | cost |",
+             "|---|---:|---:|---|---|---|---|---:|---:|---:|"]
+    inside = overlap = in_run = narrow = long_rows = cheap = thousand = 0
+    for case, r in sorted(newest.items()):
+        low, high, truth = r["logged_low"], r["logged_high"], r["independent"]
+        truth_low, truth_high = r.get("independent_low") or truth, r.get("independent_high") or truth
+        verdict = "in" if low <= truth <= high else "ovl" if truth_low <= high and low <= truth_high else "out"
+        width, ratio, cost = (high - low) / 2 / r["logged"], r.get("eager_ratio_in_run"), r.get("reference_cost_in_run")
+        inside, overlap = inside + (verdict == "in"), overlap + (verdict != "out")
+        in_run += ratio is not None and abs(ratio - 1) <= 0.03
+        long_rows, narrow = long_rows + (case[2] >= 200), narrow + (case[2] >= 200 and width <= 0.05)
+        if case[2] >= 1000 and cost is not None:  # records before the field have none
+            thousand, cheap = thousand + 1, cheap + (cost <= 0.02)
+        lines.append(f"| {' | '.join(map(str, case))} | {r['logged']:.2f} ({low:.2f}-{high:.2f}) | {truth:.2f} "
+                     f"({truth_low:.2f}-{truth_high:.2f}) | {verdict} | {width:.0%} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}'} | {'-' if cost is None else f'{cost:.1%}'} |")
+    cases = len(newest)
+    lines += ["", f"Inside {inside} of {cases} ({inside / max(cases, 1):.0%}); overlapping {overlap} "
+              f"({overlap / max(cases, 1):.0%}); in-run within 3% {in_run} of {cases}; half-width <= 5% on 200- and "
+              f"1000-step epochs {narrow} of {long_rows}; reference cost <= 2% on 1000-step epochs {cheap} of the {thousand} that record it."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "telemetry.jsonl", models="gpt,resnet18", batches="small,large")
     p.add_argument("--epoch-steps", default="50,200,1000", help="steps per epoch, a comma list")
@@ -316,7 +361,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", choices=("fused", "default"), default="fused",
                    help="AdamW(fused=True), or AdamW() with torch's choice (foreach on CUDA), as most users write it")
     p.add_argument("--host-spins", action="store_true", help="read the host's speed inside the fits (HostSpins)")
+    p.add_argument("--coverage", type=Path, help="print the issue's checks over these records (coverage), and stop")
     args = p.parse_args(argv)
+    if args.coverage:
+        print(coverage(harness.read_records(args.coverage)))
+        return 0
     groups = [[{"model": model, "batch_size": batch, "epoch_steps": int(steps), "epochs": args.epochs,
                 "optimizer": args.optimizer, "host_spins": args.host_spins, "smoke": args.smoke}]
               for model, batch in models.regimes(args) for steps in args.epoch_steps.split(",")]
