@@ -268,10 +268,12 @@ class EagerSchedule:
     How many: the first epoch takes :data:`FIRST_REFERENCE` steps, one a chunk, spread over its steps after compile
     and warmup (and :data:`FIRST_CHUNK_DELAY` plan steps more, or less in a short epoch), as nothing is known
     before; from then on, the caller passes the step times measured so far and :func:`affordable_reference` buys
-    what the budget allows, carrying what is left as credit. So the reference (timed steps and lead-ins) takes at
-    most ``reference_budget`` of the fit's training time, once the fit is long enough to repay that first
-    measurement (``6 * eager_ms / compiled_ms / reference_budget`` steps: 300 at 1x, 1500 at 5x); a shorter fit
-    spends the first measurement, the least that measures anything.
+    what the budget allows. At each epoch's end the caller enters what the epoch's reference steps took
+    (:meth:`settle_epoch`), so the ledger holds the budget against the reference's real cost, lead-ins and slow
+    steps included, and plans the next epochs at its real cost per step. So the reference (timed steps and
+    lead-ins) takes at most ``reference_budget`` of the fit's training time, once the fit is long enough to repay
+    that first measurement (``6 * eager_ms / compiled_ms / reference_budget`` steps: 300 at 1x, 1500 at 5x); a
+    shorter fit spends the first measurement, the least that measures anything.
 
     Args:
         eager_steps: At most this many timed eager steps per epoch; ``0`` turns the reference off (the model
@@ -291,10 +293,11 @@ class EagerSchedule:
         3
         >>> [step for step in range(100) if schedule.is_eager(step)]  # fit start, then lead-in and timed, thrice
         [0, 1, 51, 52, 70, 71, 88, 89]
+        >>> schedule.settle_epoch(steps=100, reference_ms=180.0, reference_steps=6, compiled_ms=10.0)  # it ended
+        >>> round(schedule.credit_ms, 1)  # 2% of 100 steps at 10 ms, less what 6 reference steps at 30 ms cost
+        -157.6
         >>> schedule.plan_epoch(first_step=100, steps=100, settle=1, eager_ms=30.0, compiled_ms=10.0)  # in debt
         0
-        >>> round(schedule.credit_ms, 1)  # 2% of 200 steps at 10 ms, less 6 reference steps at 29.6 ms
-        -137.6
     """
 
     def __init__(
@@ -311,7 +314,9 @@ class EagerSchedule:
         self.start_length = self.warmup + (profiled if eager_steps else 0)
         self.credit_ms = 0.0
         """Budget earned and not yet spent, in ms (negative: the first measurement's debt, not yet repaid)."""
-        self._unsettled: list[tuple[int, int]] = []  # (epoch steps, reference steps) planned before any estimate
+        self._unsettled: list[tuple[int, float, int]] = []  # epochs (steps, reference ms, reference steps) that
+        # ended before any compiled step time was known, entered with the first one
+        self._spent = (0.0, 0)  # the reference's milliseconds and steps so far (timed and lead-ins)
         self._timed: set[int] = set()
         self._lead_ins: set[int] = set()
 
@@ -339,11 +344,11 @@ class EagerSchedule:
             timed = _fit_in_room(self.eager_steps, room)
         elif first or compiled_ms is None:
             timed = _fit_in_room(min(self.eager_steps, FIRST_REFERENCE), room, chunk) if first else 0
-            self._unsettled.append((steps, timed + math.ceil(timed / chunk)))
         else:
-            self._settle(eager_ms, compiled_ms)
-            timed, self.credit_ms = affordable_reference(
-                steps, eager_ms, compiled_ms, self.reference_budget, self.credit_ms, self.eager_steps, room
+            spent_ms, spent_steps = self._spent
+            cost_ms = spent_ms / spent_steps if spent_steps else eager_ms  # what a reference step has really cost
+            timed, _ = affordable_reference(
+                steps, cost_ms, compiled_ms, self.reference_budget, self.credit_ms, self.eager_steps, room
             )
         if first:  # its moments spread over the epoch's steps after the delay
             delay = min(FIRST_CHUNK_DELAY, max(0, span // 2 - CHUNK))
@@ -351,11 +356,23 @@ class EagerSchedule:
         self._place(low, span, timed, chunk)
         return timed
 
-    def _settle(self, eager_ms: float, compiled_ms: float) -> None:
-        """Charge the epochs planned before the step times were known, now that they are."""
-        budget, unit = self.reference_budget, reference_step_cost(eager_ms, compiled_ms, self.reference_budget)
-        for steps, reference in self._unsettled:
-            self.credit_ms += budget * steps * compiled_ms - reference * unit
+    def settle_epoch(self, steps: int, reference_ms: float, reference_steps: int, compiled_ms: float | None) -> None:
+        """Enter an ended epoch in the budget's ledger: what its reference took, not what it was planned to take.
+
+        The epoch earned ``reference_budget`` of ``steps`` steps at ``compiled_ms`` (every step counted as compiled,
+        as :func:`affordable_reference` counts them), and its reference steps, timed and lead-ins, took
+        ``reference_ms`` over ``reference_steps`` steps. An epoch that ended before any compiled step time was known
+        (``compiled_ms=None``) is entered with the first one.
+        """
+        spent_ms, spent_steps = self._spent
+        self._spent = (spent_ms + reference_ms, spent_steps + reference_steps)
+        self._unsettled.append((steps, reference_ms, reference_steps))
+        if self.reference_budget is None or compiled_ms is None:
+            return
+        budget = self.reference_budget
+        for steps, reference_ms, reference_steps in self._unsettled:
+            charge = reference_ms * (1 - budget) + budget * compiled_ms * reference_steps  # as reference_step_cost
+            self.credit_ms += budget * steps * compiled_ms - charge
         self._unsettled = []
 
     def _place(self, low: int, span: int, timed: int, chunk: int) -> None:
@@ -370,11 +387,16 @@ class EagerSchedule:
 
     def state_dict(self) -> dict[str, object]:
         """The budget's ledger, for a checkpoint (the placed chunks are re-planned at the next epoch start)."""
-        return {"credit_ms": self.credit_ms, "unsettled": [list(entry) for entry in self._unsettled]}
+        return {"credit_ms": self.credit_ms, "ended": [list(entry) for entry in self._unsettled],
+                "spent": list(self._spent)}  # fmt: skip
 
     def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore :meth:`state_dict`'s ledger. A checkpoint of a version that charged planned steps has no ended
+        epochs, nor the reference's cost so far: its first measurement, if still unpaid, goes uncharged."""
         self.credit_ms = float(state.get("credit_ms", 0.0))
-        self._unsettled = [(int(steps), int(reference)) for steps, reference in state.get("unsettled", [])]
+        self._unsettled = [(int(steps), float(ms), int(count)) for steps, ms, count in state.get("ended", [])]
+        spent_ms, spent_steps = state.get("spent", (0.0, 0))
+        self._spent = (float(spent_ms), int(spent_steps))
 
     def is_eager(self, fit_step: int) -> bool:
         """Whether the step runs the eager model (fit-start steps, the reference's lead-ins and timed steps)."""

@@ -123,9 +123,10 @@ def test_the_first_measurement_is_retried_until_an_epoch_has_room_for_it():
 
 
 def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 0.02, eager_steps: int = 20,
-                 compiled_ms: float = 10.0) -> tuple[list[int], list[float]]:  # fmt: skip
-    """Plan a fit epoch by epoch with the true step times as estimates; per epoch, the reference steps placed and
-    the reference's share of the fit's training time up to that epoch's end."""
+                 compiled_ms: float = 10.0, lead_in_cost: float = 1.0) -> tuple[list[int], list[float]]:  # fmt: skip
+    """Plan a fit epoch by epoch with the true step times as estimates, and enter each epoch's reference cost at its
+    end; per epoch, the reference steps placed and the reference's share of the fit's training time up to that
+    epoch's end. A lead-in takes ``lead_in_cost`` times an eager step (the pool's median)."""
     eager_ms = compiled_ms * speedup
     schedule = EagerSchedule(eager_steps=eager_steps, reference_budget=budget, warmup=3)
     placed, shares, reference_ms, train_ms = [], [], 0.0, 0.0
@@ -134,11 +135,14 @@ def simulate_fit(epochs: int, epoch_steps: int, speedup: float, budget: float = 
         known = {"eager_ms": eager_ms, "compiled_ms": compiled_ms} if epoch else {}
         timed = schedule.plan_epoch(first, epoch_steps, settle=1, **known)
         steps = range(first, first + epoch_steps)
-        reference = sum(schedule.is_timed(s) or schedule.is_lead_in(s) for s in steps)
+        lead_ins = sum(schedule.is_lead_in(s) for s in steps)
+        reference = sum(schedule.is_timed(s) for s in steps) + lead_ins
         assert reference == timed + math.ceil(timed / (CHUNK if epoch else 1)) and timed <= eager_steps
-        eager = sum(schedule.is_eager(s) for s in steps)  # reference and fit-start steps
-        reference_ms += reference * eager_ms
-        train_ms += eager * eager_ms + (epoch_steps - eager) * compiled_ms
+        start = sum(schedule.is_eager(s) for s in steps) - reference  # the fit-start steps
+        epoch_reference_ms = (reference + (lead_in_cost - 1) * lead_ins) * eager_ms
+        schedule.settle_epoch(epoch_steps, epoch_reference_ms, reference, compiled_ms)
+        reference_ms += epoch_reference_ms
+        train_ms += epoch_reference_ms + start * eager_ms + (epoch_steps - start - reference) * compiled_ms
         placed.append(reference)
         shares.append(reference_ms / train_ms)
     return placed, shares
@@ -161,13 +165,26 @@ def test_the_reference_stays_within_its_budget_over_a_fit_and_keeps_measuring(ep
     assert len(chunk_epochs) >= 4, f"re-measured in epochs {chunk_epochs} only"
 
 
+@pytest.mark.parametrize("speedup", [1.5, 5.0])
+def test_the_budget_holds_when_the_reference_costs_more_than_its_median_step(speedup):
+    """Lead-ins start on an idle device and carry the switch from the plan: the ledger charges what they took."""
+    budget, first_steps = 0.02, 2 * FIRST_REFERENCE
+    epochs = max(5, math.ceil(8 * first_steps * speedup / budget / 1000))
+    placed, shares = simulate_fit(epochs, 1000, speedup, budget, lead_in_cost=2.0)
+    assert shares[-1] <= budget, f"the reference took {shares[-1]:.2%} of the fit"
+    assert sum(placed) > first_steps, "it still measures again"
+
+
 def test_the_budget_ledger_survives_a_checkpoint():
     schedule = EagerSchedule(eager_steps=20)
     schedule.plan_epoch(first_step=0, steps=100, settle=1)
+    schedule.settle_epoch(steps=100, reference_ms=200.0, reference_steps=6, compiled_ms=None)  # no plan step yet
     schedule.plan_epoch(first_step=100, steps=100, settle=1, eager_ms=30.0, compiled_ms=10.0)
     resumed = EagerSchedule(eager_steps=20)
     resumed.load_state_dict(schedule.state_dict())
-    assert resumed.credit_ms == schedule.credit_ms < 0  # still repaying the first chunk
+    for ledger in (schedule, resumed):
+        ledger.settle_epoch(steps=100, reference_ms=0.0, reference_steps=0, compiled_ms=10.0)
+    assert resumed.credit_ms == schedule.credit_ms < 0  # still repaying the first measurement, entered late
 
 
 @pytest.mark.parametrize(("epochs", "epoch_steps", "speedup"), [(1, 50, 5.0), (1, 1000, 5.0), (3, 50, 1.1)])
