@@ -331,27 +331,38 @@ epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record i
     for record in records:
         if None not in (record.get("logged_low"), record.get("logged_high"), record.get("independent")):
             newest[tuple(record.get(k) or "fused" for k in ("model", "batch_size", "epoch_steps", "optimizer"))] = record
-    lines = ["| model | batch | epoch | optimizer | logged (interval) | measured apart | | half-width | in-run | cost |",
-             "|---|---:|---:|---|---|---|---|---:|---:|---:|"]
-    inside = overlap = in_run = narrow = long_rows = cheap = thousand = 0
-    for case, r in sorted(newest.items()):
-        low, high, truth = r["logged_low"], r["logged_high"], r["independent"]
-        truth_low, truth_high = r.get("independent_low") or truth, r.get("independent_high") or truth
-        verdict = "in" if low <= truth <= high else "ovl" if truth_low <= high and low <= truth_high else "out"
-        width, ratio, cost = (high - low) / 2 / r["logged"], r.get("eager_ratio_in_run"), r.get("reference_cost_in_run")
-        inside, overlap = inside + (verdict == "in"), overlap + (verdict != "out")
-        in_run += ratio is not None and abs(ratio - 1) <= 0.03
-        long_rows, narrow = long_rows + (case[2] >= 200), narrow + (case[2] >= 200 and width <= 0.05)
-        if case[2] >= 1000 and cost is not None:  # records before the field have none
-            thousand, cheap = thousand + 1, cheap + (cost <= 0.02)
-        lines.append(f"| {' | '.join(map(str, case))} | {r['logged']:.2f} ({low:.2f}-{high:.2f}) | {truth:.2f} "
-                     f"({truth_low:.2f}-{truth_high:.2f}) | {verdict} | {width:.0%} | "
-                     f"{'-' if ratio is None else f'{ratio:.2f}'} | {'-' if cost is None else f'{cost:.1%}'} |")
-    cases = len(newest)
-    lines += ["", f"Inside {inside} of {cases} ({inside / max(cases, 1):.0%}); overlapping {overlap} "
-              f"({overlap / max(cases, 1):.0%}); in-run within 3% {in_run} of {cases}; half-width <= 5% on 200- and "
-              f"1000-step epochs {narrow} of {long_rows}; reference cost <= 2% on 1000-step epochs {cheap} of the {thousand} that record it."]
-    return "\n".join(lines)
+    judged = [(case, record, *_judge(record)) for case, record in sorted(newest.items())]
+    verdicts = [verdict for _, _, verdict, _ in judged]
+    widths = [width for case, _, _, width in judged if case[2] >= 200]
+    costs = [r["reference_cost_in_run"] for case, r, _, _ in judged
+             if case[2] >= 1000 and r.get("reference_cost_in_run") is not None]  # records before the field have none
+    in_run = sum(abs((r.get("eager_ratio_in_run") or 0) - 1) <= 0.03 for _, r, _, _ in judged)
+    inside, overlap, cases = verdicts.count("in"), len(verdicts) - verdicts.count("out"), len(verdicts)
+    return "\n".join([
+        "| model | batch | epoch | optimizer | logged (interval) | measured apart | | half-width | in-run | cost |",
+        "|---|---:|---:|---|---|---|---|---:|---:|---:|", *(_coverage_row(*row) for row in judged), "",
+        (f"Inside {inside} of {cases} ({inside / max(cases, 1):.0%}); overlapping {overlap} "
+         f"({overlap / max(cases, 1):.0%}); in-run within 3% {in_run} of {cases}; half-width <= 5% on 200- and "
+         f"1000-step epochs {sum(w <= 0.05 for w in widths)} of {len(widths)}; reference cost <= 2% on 1000-step "
+         f"epochs {sum(c <= 0.02 for c in costs)} of the {len(costs)} that record it."),
+    ])  # fmt: skip
+
+
+def _judge(record: dict) -> tuple[str, float]:
+    """``in`` where a record's independent ratio lies inside its logged interval, ``ovl`` where only their intervals
+    overlap, else ``out``; and the logged interval's half-width relative to its point."""
+    low, high, truth = record["logged_low"], record["logged_high"], record["independent"]
+    truth_low, truth_high = record.get("independent_low") or truth, record.get("independent_high") or truth
+    verdict = "in" if low <= truth <= high else "ovl" if truth_low <= high and low <= truth_high else "out"
+    return verdict, (high - low) / 2 / record["logged"]
+
+
+def _coverage_row(case: tuple, r: dict, verdict: str, width: float) -> str:
+    truth, ratio, cost = r["independent"], r.get("eager_ratio_in_run"), r.get("reference_cost_in_run")
+    return (f"| {' | '.join(map(str, case))} | {r['logged']:.2f} ({r['logged_low']:.2f}-{r['logged_high']:.2f}) | "
+            f"{truth:.2f} ({r.get('independent_low') or truth:.2f}-{r.get('independent_high') or truth:.2f}) | "
+            f"{verdict} | {width:.0%} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{'-' if cost is None else f'{cost:.1%}'} |")
 
 
 def main(argv: list[str] | None = None) -> int:

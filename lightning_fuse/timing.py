@@ -364,15 +364,17 @@ class EagerSchedule:
         ``reference_ms`` over ``reference_steps`` steps. An epoch that ended before any compiled step time was known
         (``compiled_ms=None``) is entered with the first one.
         """
+        if self.reference_budget is None:  # the dense reference spends no budget
+            return
         spent_ms, spent_steps = self._spent
         self._spent = (spent_ms + reference_ms, spent_steps + reference_steps)
         self._unsettled.append((steps, reference_ms, reference_steps))
-        if self.reference_budget is None or compiled_ms is None:
+        if compiled_ms is None:
             return
         budget = self.reference_budget
-        for steps, reference_ms, reference_steps in self._unsettled:
-            charge = reference_ms * (1 - budget) + budget * compiled_ms * reference_steps  # as reference_step_cost
-            self.credit_ms += budget * steps * compiled_ms - charge
+        for epoch_steps, spent_ms, spent_steps in self._unsettled:
+            charge = spent_ms * (1 - budget) + budget * compiled_ms * spent_steps  # as reference_step_cost charges
+            self.credit_ms += budget * epoch_steps * compiled_ms - charge
         self._unsettled = []
 
     def _place(self, low: int, span: int, timed: int, chunk: int) -> None:

@@ -145,6 +145,18 @@ def test_the_reference_takes_a_first_measurement_then_what_its_budget_allows_and
     assert fuse.history[1]["fuse/step_ms"] > 0 and 0 < fuse.history[0]["fuse/reference_cost"] < 1
 
 
+def test_the_budget_ledger_charges_what_each_epochs_reference_steps_took(monkeypatch):
+    collected = collected_step_times(monkeypatch)
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
+    fit([fuse], epochs=2, samples=640)  # 40 steps an epoch: the first measurement, then nothing the budget affords
+    budget, credit = fuse.options.reference_budget, 0.0
+    for times in collected:
+        reference, compiled = times.get("eager", []) + times.get("lead_in", []), statistics.median(times["compiled"])
+        earned = budget * sum(map(len, times.values())) * compiled  # every step counted as compiled
+        credit += earned - (sum(reference) * (1 - budget) + budget * compiled * len(reference))
+    assert len(collected) == 2 and fuse.fit.schedule.credit_ms == pytest.approx(credit) and credit < 0
+
+
 def test_a_fit_that_max_steps_ends_within_an_epoch_takes_its_reference_within_the_steps_that_run(monkeypatch):
     collected = collected_step_times(monkeypatch)
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False, eager_steps=6)
