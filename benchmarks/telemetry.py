@@ -327,10 +327,10 @@ def coverage(records: list[dict]) -> str:
         Inside 1 of 1 (100%); overlapping 1 (100%); in-run within 3% 1 of 1; half-width <= 5% on 200- and 1000-step \
 epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
     """
-    newest = {}
+    newest, keys = {}, ("model", "batch_size", "epoch_steps", "optimizer")
     for record in records:
         if None not in (record.get("logged_low"), record.get("logged_high"), record.get("independent")):
-            newest[tuple(record.get(k) or "fused" for k in ("model", "batch_size", "epoch_steps", "optimizer"))] = record
+            newest[tuple(record.get(key) or "fused" for key in keys)] = record  # no optimizer named: fused
     judged = [(case, record, *_judge(record)) for case, record in sorted(newest.items())]
     verdicts = [verdict for _, _, verdict, _ in judged]
     widths = [width for case, _, _, width in judged if case[2] >= 200]
