@@ -188,12 +188,15 @@ def reference_step_cost(eager_ms: float, compiled_ms: float, budget: float) -> f
     A reference step runs for ``eager_ms`` instead of ``compiled_ms``; the budget allows ``budget`` of the training
     time, which that step lengthens by ``eager_ms - compiled_ms``. Hence ``k`` reference steps in an epoch of ``n``
     fit the budget when ``k * eager_ms <= budget * (k * eager_ms + (n - k) * compiled_ms)``, that is when
-    ``k * reference_step_cost(...) <= budget * n * compiled_ms``.
+    ``k * reference_step_cost(...) <= budget * n * compiled_ms``. The cost is linear: given the total eager time of
+    several steps and the compiled time they replaced, it is theirs.
 
     Example::
 
         >>> round(reference_step_cost(eager_ms=30.0, compiled_ms=10.0, budget=0.02), 6)
         29.6
+        >>> round(reference_step_cost(eager_ms=180.0, compiled_ms=60.0, budget=0.02), 6)  # six such steps
+        177.6
     """
     return eager_ms * (1 - budget) + budget * compiled_ms
 
@@ -372,8 +375,8 @@ class EagerSchedule:
         if compiled_ms is None:
             return
         budget = self.reference_budget
-        for epoch_steps, spent_ms, spent_steps in self._unsettled:
-            charge = spent_ms * (1 - budget) + budget * compiled_ms * spent_steps  # as reference_step_cost charges
+        for epoch_steps, epoch_reference_ms, epoch_reference_steps in self._unsettled:
+            charge = reference_step_cost(epoch_reference_ms, compiled_ms * epoch_reference_steps, budget)
             self.credit_ms += budget * epoch_steps * compiled_ms - charge
         self._unsettled = []
 
