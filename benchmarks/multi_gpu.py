@@ -13,9 +13,12 @@ of the fit. ``eager_fp32`` is eager in full precision (``32-true``): how far it 
 losses is bf16's own rounding, carried through the fit, and so the tolerance that another variant's distance from
 eager is held to (``--losses`` prints both). ``eager_deterministic`` is eager with torch's deterministic kernels
 (``Trainer(deterministic="warn")``): another correct path through the same fit, to tell how far a training
-trajectory alone moves when only the kernels' rounding changes; ``eager_exact_reductions`` is eager with cuBLAS's
+trajectory alone moves when only the kernels' rounding changes; ``eager_repeat`` is eager launched again, how far
+eager's own curve moves from one launch to the next (its kernels' atomics add in no fixed order);
+``eager_exact_reductions`` is eager with cuBLAS's
 split-K reductions kept in float32 (torch lets them round to bf16 by default; compiled code meets that rounding
-less often, and ``gradients.py`` finds its gradients closer to full precision than eager's). ``--seed`` starts
+less often, and ``gradients.py`` finds its gradients closer to full precision than eager's), and ``--losses``
+holds every variant to it too, within bf16's own ``rtol`` (``harness.BF16_RTOL``). ``--seed`` starts
 the models and batches from another seed (a record's ``seed``; ``--losses`` holds each seed against its own eager),
 so that one trajectory is not taken for a rule. The default fit memorises four random batches, and a change of
 rounding can reroute its curve anywhere (``benchmarks/RESULTS.md``). ``--data markov`` trains a causal LM on
@@ -56,7 +59,7 @@ from torch import nn
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "data", "scheduler", "variant", "step_ms",
           "step_ms_q1", "step_ms_q3", "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks",
           "plan", "ran", "search", "error")  # fmt: skip
-DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
+DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "eager_repeat": ("eager", {}, {}),
            "eager_deterministic": ("eager", {"deterministic": "warn"}, {}), "eager_exact_reductions": ("eager", {}, {}),
            "fuse_idle": ("fuse", {}, {"targets": []}),
            "fuse_idle_unsampled": ("fuse", {}, {"targets": [], "gpu_sample_hz": 0}),
@@ -68,6 +71,8 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}),
            "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
                                                     "eager_steps": 0})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
+TOLERANCES = {"eager": ("eager_fp32", 1.0), "eager_fp32": ("eager", harness.WITHIN_RATIO)}
+"""``loss_gaps``'s references whose tolerance another variant's gap sets: (that variant, how many times its gap)."""
 MATMUL_FLAGS = {"eager_exact_reductions": {"allow_bf16_reduced_precision_reduction": False}}
 """Variants that set ``torch.backends.cuda.matmul`` flags for the whole fit, on every rank."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
@@ -167,7 +172,9 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
     where its gap is at most ``eager_fp32``'s. ``against="eager_fp32"``: full precision, the reference
     ``gradients.py`` holds each step to; a variant is within where it lies at most ``harness.WITHIN_RATIO`` times
     as far from it as eager does (eager's own bf16 rounding can be what parts the two curves). Either tolerance is
-    at least ``harness.BF16_RTOL``, bf16's own, where the two references agree more closely than that.
+    at least ``harness.BF16_RTOL``, bf16's own, where the two references agree more closely than that. Against
+    any other variant (``eager_exact_reductions``: eager as torch runs it with float32 reductions) no variant's
+    gap sets the tolerance: it is ``harness.BF16_RTOL``.
 
     Example::
 
@@ -177,6 +184,9 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         | m | ddp | 8 | 0 | random | - | 0.05 | 0.01 (within) |
         >>> print(loss_gaps(rows, against="eager_fp32").splitlines()[-1])  # fuse 0.04 from full precision, eager 0.05
         | m | ddp | 8 | 0 | random | - | 0.05 | 0.04 (within) |
+        >>> exact = {**rows[0], "variant": "eager_exact_reductions", "loss_curves": [[2.03, 2.03]]}
+        >>> print(loss_gaps([*rows, exact], against="eager_exact_reductions").splitlines()[-1])  # eager, fuse, fp32
+        | m | ddp | 8 | 0 | random | - | 0.01 (within) | 0.0049 (within) | 0.03 (beyond) |
     """
     newest: dict[tuple, dict] = {}
     for record in records:
@@ -185,10 +195,9 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
                     _fit(record), record.get("device") or "-")  # fmt: skip
             newest[(*case, record.get("variant"))] = record
     cases = sorted({key[:6] for key in newest}, key=str)
-    judge = "eager_fp32" if against == "eager" else "eager"  # the variant whose gap sets the tolerance
-    scale = 1.0 if against == "eager" else harness.WITHIN_RATIO  # how many times that gap it is
-    others = [v for v in VARIANTS if v not in ("eager", "eager_fp32") and any(key[6] == v for key in newest)]
-    header = ["model", "strategy", "batch", "seed", "fit", "device", judge, *others]
+    judge, scale = TOLERANCES.get(against, (None, 1.0))
+    others = [v for v in VARIANTS if v not in (against, judge) and any(key[6] == v for key in newest)]
+    header = ["model", "strategy", "batch", "seed", "fit", "device", *filter(None, [judge]), *others]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     for case in cases:
         reference = newest.get((*case, against))
@@ -197,11 +206,12 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         gap = {v: _gap(newest[(*case, v)]["loss_curves"], reference["loss_curves"]) for v in [judge, *others]
                if (*case, v) in newest}  # fmt: skip
         judged = gap.get(judge)
-        tolerance = None if judged is None else max(harness.BF16_RTOL, scale * judged)
+        tolerance = harness.BF16_RTOL if judge is None else None if judged is None else max(harness.BF16_RTOL,
+                                                                                             scale * judged)
         cells = [_figure(gap[v]) + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
                  if v in gap else "-" for v in others]  # fmt: skip
-        lines.append(f"| {' | '.join(map(str, case))} | {'-' if judged is None else _figure(judged)} | "
-                     + " | ".join(cells) + " |")  # fmt: skip
+        judge_cell = [] if judge is None else ["-" if judged is None else _figure(judged)]
+        lines.append("| " + " | ".join([*map(str, case), *judge_cell, *cells]) + " |")
     return "\n".join(lines)
 
 
@@ -233,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.losses:
         records = harness.read_records(args.losses)
         print(f"Against eager:\n\n{loss_gaps(records)}\n")
-        print(f"Against full precision:\n\n{loss_gaps(records, against='eager_fp32')}")
+        print(f"Against full precision:\n\n{loss_gaps(records, against='eager_fp32')}\n")
+        print(f"Against eager with float32 reductions:\n\n{loss_gaps(records, against='eager_exact_reductions')}")
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "strategy": strategy, "world_size": 2, "batch_size": batch, "variant": variant,
