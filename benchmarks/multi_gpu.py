@@ -206,8 +206,10 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         gap = {v: _gap(newest[(*case, v)]["loss_curves"], reference["loss_curves"]) for v in [judge, *others]
                if (*case, v) in newest}  # fmt: skip
         judged = gap.get(judge)
-        tolerance = harness.BF16_RTOL if judge is None else None if judged is None else max(harness.BF16_RTOL,
-                                                                                             scale * judged)
+        if judge is None:
+            tolerance = harness.BF16_RTOL
+        else:
+            tolerance = None if judged is None else max(harness.BF16_RTOL, scale * judged)
         cells = [_figure(gap[v]) + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
                  if v in gap else "-" for v in others]  # fmt: skip
         judge_cell = [] if judge is None else ["-" if judged is None else _figure(judged)]
