@@ -16,6 +16,9 @@ itself counts it (the steps it ran eagerly for the reference, lead-ins included,
 side of its last epoch's speedup) over the eager-only fits' median step in the last epoch: 1 when the in-run
 reference runs as fast as plain eager (``optimizer``: every fit's AdamW, fused or as torch chooses);
 ``reference_age`` is how many epochs old that pool's newest chunk was in the last epoch (``fuse/reference_age``);
+``logged_by_epoch`` is every epoch's ``[speedup, low, high, reference age]`` as the ``FuseCallback()`` fit logged
+them, and ``independent_by_epoch`` every epoch's independent ratio (the first holds the compile and the search),
+so that a fit of many ``epochs`` shows how its pool narrows the interval past the first measurement;
 ``eager_ratio_low``/``eager_ratio_high`` is its 95% interval, ``reference_steps`` how many reference steps it has
 and ``reference_chunks`` in how many chunks (moments of the run) they came, over which the logged interval spreads
 where there are two or more (``reference_ms`` and ``reference_sizes``: the steps themselves and each chunk's
@@ -71,7 +74,7 @@ FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_l
           "reference_ms", "reference_sizes", "dense_ms", "dense_sizes", "plan_step_ms", "spin_ms_by_fit",
           "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
           "eager_by_spin", "plan_by_spin", "reference_by_spin", "dense_by_spin", "switches_by_fit", "reference_age",
-          "error")  # fmt: skip
+          "epochs", "logged_by_epoch", "independent_by_epoch", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 SPIN_EVERY = 100
@@ -251,6 +254,11 @@ def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float 
     return statistics.median(numerator) / statistics.median(denominator) if numerator and denominator else None
 
 
+def steps_of(fits: dict[str, dict], name: str, epoch: int) -> list[float]:
+    """The step ms of fit ``name``'s ``epoch`` (none where it ran no such epoch)."""
+    return fits[name]["epoch_ms"].get(epoch, [])
+
+
 def measure(spec: dict) -> dict:
     """The five fits, in one process; the last epoch of each counts."""
     epochs, steps = spec["epochs"], spec["epoch_steps"]
@@ -305,7 +313,11 @@ def measure(spec: dict) -> dict:
         "reference_by_spin": chunks_by_spin(fits["fuse"]["spins"], fits["fuse"], steps),
         "dense_by_spin": chunks_by_spin(fits["fuse_dense"]["spins"], fits["fuse_dense"], steps),
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
-        "reference_age": history.get("fuse/reference_age"),
+        "reference_age": history.get("fuse/reference_age"), "epochs": epochs,
+        "logged_by_epoch": [[row.get(f"fuse/{key}") for key in ("speedup", "speedup_low", "speedup_high",
+                                                                 "reference_age")] for row in fits["fuse"]["history"]],
+        "independent_by_epoch": [ratio_of_medians(steps_of(fits, "eager_1", epoch) + steps_of(fits, "eager_2", epoch),
+                                                  steps_of(fits, "fuse_0", epoch)) for epoch in range(epochs)],
         "error": next((f"{name}: {fit['error']}" for name, fit in fits.items() if fit["error"]), None),
     }  # fmt: skip
 

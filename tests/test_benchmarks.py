@@ -176,6 +176,11 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
         assert record["reference_age"] >= 0 and record["eager_ratio_in_run"] > 0
     assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0 and record["eager_fits_cpu_ratio"] > 0
     assert record["independent_adjacent"] > 0
+    assert record["epochs"] == 2 and len(record["independent_by_epoch"]) == 2, "every epoch's own ratio"
+    assert record["independent_by_epoch"][-1] == record["independent"], "the last epoch's is the record's"
+    assert len(record["logged_by_epoch"]) in (0, 2) and all(len(row) == 4 for row in record["logged_by_epoch"])
+    if record["logged_by_epoch"]:
+        assert record["logged_by_epoch"][-1][0] == record["logged"], "the last epoch's is the record's"
     assert len(record["reference_ms"]) == sum(record["reference_sizes"]) == record["reference_steps"], "recomputable"
     assert len(record["dense_ms"]) == sum(record["dense_sizes"])
     assert record["reference_cost_in_run"] is None or 0 <= record["reference_cost_in_run"] < 1
