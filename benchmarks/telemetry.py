@@ -326,7 +326,8 @@ def coverage(records: list[dict]) -> str:
     """The issue's checks, case by case and in all, as Markdown: each case's newest record (model, batch, epoch
     steps, optimizer) that has a logged interval and an independent ratio. A case is ``in`` where the independent
     ratio lies inside the logged interval, ``ovl`` where only their intervals overlap; the half-width is relative
-    to the logged point; ``in-run`` is ``eager_ratio_in_run``, ``cost`` the ``reference_cost_in_run``.
+    to the logged point; ``in-run`` is ``eager_ratio_in_run``, ``cost`` the ``reference_cost_in_run``; ``epochs``
+    the fit's ``epochs`` (records before the field ran the default, 2).
 
     Example::
 
@@ -334,7 +335,7 @@ def coverage(records: list[dict]) -> str:
         ...          "logged_high": 5.2, "independent": 5.1, "independent_low": 5.0, "independent_high": 5.2,
         ...          "eager_ratio_in_run": 1.02, "reference_cost_in_run": 0.012}]
         >>> print(coverage(rows).splitlines()[2])
-        | m | 8 | 200 | fused | 5.00 (4.80-5.20) | 5.10 (5.00-5.20) | in | 4% | 1.02 | 1.2% |
+        | m | 8 | 200 | fused | 2 | 5.00 (4.80-5.20) | 5.10 (5.00-5.20) | in | 4% | 1.02 | 1.2% |
         >>> print(coverage(rows).splitlines()[-1])
         Inside 1 of 1 (100%); overlapping 1 (100%); in-run within 3% 1 of 1; half-width <= 5% on 200- and 1000-step \
 epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
@@ -351,8 +352,8 @@ epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record i
     in_run = sum(abs((r.get("eager_ratio_in_run") or 0) - 1) <= 0.03 for _, r, _, _ in judged)
     inside, overlap, cases = verdicts.count("in"), len(verdicts) - verdicts.count("out"), len(verdicts)
     return "\n".join([
-        "| model | batch | epoch | optimizer | logged (interval) | measured apart | | half-width | in-run | cost |",
-        "|---|---:|---:|---|---|---|---|---:|---:|---:|", *(_coverage_row(*row) for row in judged), "",
+        "| model | batch | epoch | optimizer | epochs | logged (interval) | measured apart | | half-width | in-run | cost |",
+        "|---|---:|---:|---|---:|---|---|---|---:|---:|---:|", *(_coverage_row(*row) for row in judged), "",
         (f"Inside {inside} of {cases} ({inside / max(cases, 1):.0%}); overlapping {overlap} "
          f"({overlap / max(cases, 1):.0%}); in-run within 3% {in_run} of {cases}; half-width <= 5% on 200- and "
          f"1000-step epochs {sum(w <= 0.05 for w in widths)} of {len(widths)}; reference cost <= 2% on 1000-step "
@@ -371,7 +372,7 @@ def _judge(record: dict) -> tuple[str, float]:
 
 def _coverage_row(case: tuple, r: dict, verdict: str, width: float) -> str:
     truth, ratio, cost = r["independent"], r.get("eager_ratio_in_run"), r.get("reference_cost_in_run")
-    return (f"| {' | '.join(map(str, case))} | {r['logged']:.2f} ({r['logged_low']:.2f}-{r['logged_high']:.2f}) | "
+    return (f"| {' | '.join(map(str, case))} | {r.get('epochs') or 2} | {r['logged']:.2f} ({r['logged_low']:.2f}-{r['logged_high']:.2f}) | "
             f"{truth:.2f} ({r.get('independent_low') or truth:.2f}-{r.get('independent_high') or truth:.2f}) | "
             f"{verdict} | {width:.0%} | {'-' if ratio is None else f'{ratio:.2f}'} | "
             f"{'-' if cost is None else f'{cost:.1%}'} |")
