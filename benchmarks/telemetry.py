@@ -340,11 +340,7 @@ def coverage(records: list[dict]) -> str:
         Inside 1 of 1 (100%); overlapping 1 (100%); in-run within 3% 1 of 1; half-width <= 5% on 200- and 1000-step \
 epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
     """
-    newest, keys = {}, ("model", "batch_size", "epoch_steps", "optimizer")
-    for record in records:
-        if None not in (record.get("logged_low"), record.get("logged_high"), record.get("independent")):
-            newest[tuple(record.get(key) or "fused" for key in keys)] = record  # no optimizer named: fused
-    judged = [(case, record, *_judge(record)) for case, record in sorted(newest.items())]
+    judged = [(case, record, *_judge(record)) for case, record in sorted(_newest(records).items())]
     verdicts = [verdict for _, _, verdict, _ in judged]
     widths = [width for case, _, _, width in judged if case[2] >= 200]
     costs = [r["reference_cost_in_run"] for case, r, _, _ in judged
@@ -359,6 +355,50 @@ epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record i
          f"1000-step epochs {sum(w <= 0.05 for w in widths)} of {len(widths)}; reference cost <= 2% on 1000-step "
          f"epochs {sum(c <= 0.02 for c in costs)} of the {len(costs)} that record it."),
     ])  # fmt: skip
+
+
+def by_epoch(records: list[dict]) -> str:
+    """Each epoch's logged interval, as Markdown, for the cases whose newest record (as :func:`coverage` picks
+    them) ran more than two epochs: its half-width, ``*`` where that epoch's separate measurement fell outside
+    it, and the reference's age in epochs in brackets where it was measured earlier. Empty without such a case.
+
+    Example::
+
+        >>> row = {"model": "m", "batch_size": 8, "epoch_steps": 1000, "logged": 2.0, "logged_low": 1.9,
+        ...        "logged_high": 2.1, "independent": 2.0, "epochs": 3, "independent_by_epoch": [2.5, 2.0, 2.0],
+        ...        "logged_by_epoch": [[2.0, 1.6, 2.4, 0], [2.0, 1.6, 2.4, 1], [2.0, 1.9, 2.1, 0]]}
+        >>> print(by_epoch([row]).splitlines()[-1])
+        | m | 8 | 1000 | fused | 20%* | 20% (1) | 5% |
+    """
+    long = [(case, r) for case, r in sorted(_newest(records).items()) if (r.get("epochs") or 2) > 2]
+    if not long:
+        return ""
+    most = max(r["epochs"] for _, r in long)
+    lines = ["| model | batch | epoch | optimizer | " + " | ".join(f"epoch {e}" for e in range(most)) + " |",
+             "|---|---:|---:|---|" + "---:|" * most]  # fmt: skip
+    for case, r in long:
+        cells = [_epoch_cell(logged, truth) for logged, truth in zip(r["logged_by_epoch"], r["independent_by_epoch"])]
+        lines.append(f"| {' | '.join(map(str, case))} | " + " | ".join(cells + ["-"] * (most - len(cells))) + " |")
+    return "\n".join(lines)
+
+
+def _epoch_cell(logged: list, truth: float | None) -> str:
+    point, low, high, age = logged
+    if None in (point, low, high):
+        return "-"
+    outside = "" if truth is None or low <= truth <= high else "*"
+    width = (high - low) / 2 / point
+    return (f"{width:.0%}" if width >= 0.01 else f"{width:.1%}") + outside + (f" ({age:.0f})" if age else "")
+
+
+def _newest(records: list[dict]) -> dict[tuple, dict]:
+    """Each case's newest record (model, batch, epoch steps, optimizer; none named: fused) that has a logged
+    interval and an independent ratio."""
+    newest, keys = {}, ("model", "batch_size", "epoch_steps", "optimizer")
+    for record in records:
+        if None not in (record.get("logged_low"), record.get("logged_high"), record.get("independent")):
+            newest[tuple(record.get(key) or "fused" for key in keys)] = record
+    return newest
 
 
 def _judge(record: dict) -> tuple[str, float]:
@@ -388,7 +428,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--coverage", type=Path, help="print the issue's checks over these records (coverage), and stop")
     args = p.parse_args(argv)
     if args.coverage:
-        print(coverage(harness.read_records(args.coverage)))
+        records = harness.read_records(args.coverage)
+        print(coverage(records))
+        epochs = by_epoch(records)
+        if epochs:
+            print("\nEach epoch's half-width (* the separate measurement outside; (n) a reference n epochs old):\n")
+            print(epochs)
         return 0
     groups = [[{"model": model, "batch_size": batch, "epoch_steps": int(steps), "epochs": args.epochs,
                 "optimizer": args.optimizer, "host_spins": args.host_spins, "smoke": args.smoke}]
