@@ -14,7 +14,7 @@ losses is bf16's own rounding, carried through the fit, and so the tolerance tha
 eager is held to (``--losses`` prints both). ``eager_deterministic`` is eager with torch's deterministic kernels
 (``Trainer(deterministic="warn")``): another correct path through the same fit, to tell how far a training
 trajectory alone moves when only the kernels' rounding changes; ``eager_repeat`` is eager launched again, how far
-eager's own curve moves from one launch to the next (its kernels' atomics add in no fixed order);
+eager's own curve moves from one launch to the next (not every CUDA kernel adds in a fixed order);
 ``eager_exact_reductions`` is eager with cuBLAS's
 split-K reductions kept in float32 (torch lets them round to bf16 by default; compiled code meets that rounding
 less often, and ``gradients.py`` finds its gradients closer to full precision than eager's), and ``--losses``
