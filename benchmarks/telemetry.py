@@ -349,7 +349,8 @@ epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record i
     inside, overlap, cases = verdicts.count("in"), len(verdicts) - verdicts.count("out"), len(verdicts)
     return "\n".join([
         ("| model | batch | epoch | optimizer | epochs | logged (interval) | measured apart | | half-width | in-run "
-         "| cost |"), "|---|---:|---:|---|---:|---|---|---|---:|---:|---:|", *(_coverage_row(*row) for row in judged), "",
+         "| cost |"), "|---|---:|---:|---|---:|---|---|---|---:|---:|---:|",
+        *(_coverage_row(*row) for row in judged), "",
         (f"Inside {inside} of {cases} ({inside / max(cases, 1):.0%}); overlapping {overlap} "
          f"({overlap / max(cases, 1):.0%}); in-run within 3% {in_run} of {cases}; half-width <= 5% on 200- and "
          f"1000-step epochs {sum(w <= 0.05 for w in widths)} of {len(widths)}; reference cost <= 2% on 1000-step "
