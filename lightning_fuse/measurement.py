@@ -26,7 +26,7 @@ from lightning_fuse.cache import cache_counters
 from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.metrics import epoch_metrics, measure_only_line, per_rank, scalars, summary_table, verdict_line
 from lightning_fuse.plan import plan_graph
-from lightning_fuse.timing import EAGER, LEAD_IN, EagerSchedule, StepTimer, summarize
+from lightning_fuse.timing import EAGER, EagerSchedule, StepTimer, summarize
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,8 +70,8 @@ def end_epoch(fit: FitState, epoch: int, device: torch.device,
                        reference_chunks=fit.pool.chunks if pooled else None)  # fmt: skip
     fit.compiled_ms = timing.step_ms or fit.compiled_ms
     fit.reference_ms, fit.train_ms = fit.reference_ms + timing.reference_ms, fit.train_ms + timing.train_ms
-    reference_steps = len(times.get(EAGER, [])) + len(times.get(LEAD_IN, []))
-    fit.schedule.settle_epoch(sum(map(len, times.values())), timing.reference_ms, reference_steps, fit.compiled_ms)
+    fit.schedule.settle_epoch(sum(map(len, times.values())), timing.reference_ms, timing.reference_steps,
+                              fit.compiled_ms)
     return epoch_metrics(
         timing, fit.nominal_batch, fit.tracker.total_s, fit.tracker.total_recompiles,
         items_per_batch=float(sum(fit.items)) / len(fit.items) if fit.items else None,  # one sync

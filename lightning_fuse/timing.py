@@ -517,6 +517,7 @@ class EpochTiming:
         speedup_low: Lower bound of the speedup's interval (``None``: too few steps).
         speedup_high: Upper bound of the speedup's interval.
         reference_ms: Time of this epoch's reference steps, timed and lead-in.
+        reference_steps: How many steps those were.
         train_ms: This epoch's training time, as far as the timer saw it (0: unknown).
         reference_age: Epochs since the newest eager step in ``eager_step_ms``: 0 when the epoch timed its own,
             ``N`` when the eager side is a pool whose newest chunk is ``N`` epochs old (:meth:`ReferencePool.age`).
@@ -534,6 +535,7 @@ class EpochTiming:
     speedup_low: float | None = None
     speedup_high: float | None = None
     reference_ms: float = 0.0
+    reference_steps: int = 0
     train_ms: float = 0.0
     reference_age: int = 0
 
@@ -583,6 +585,7 @@ def summarize(
         speedup_low=low,
         speedup_high=high,
         reference_ms=sum(times.get(EAGER, [])) + sum(times.get(LEAD_IN, [])),
+        reference_steps=len(times.get(EAGER, [])) + len(times.get(LEAD_IN, [])),
         train_ms=sum(sum(steps) for steps in times.values()),
         reference_age=reference_age,
     )
