@@ -274,7 +274,7 @@ def measure(spec: dict) -> dict:
                                     max_epochs=epochs), **models.fuse_info(callbacks),
                       "reference": pooled_reference(callbacks), "spins": host[0].readings if host else [],
                       "reference_steps": marks[0].reference if marks else set()}  # fmt: skip
-    last = {name: fit["epoch_ms"].get(epochs - 1, []) for name, fit in fits.items()}
+    last = {name: steps_of(fits, name, epochs - 1) for name in fits}
     cpu = {name: fit["epoch_cpu_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager_cpu = cpu["eager_1"] + cpu["eager_2"]
     dense_cpu, dense_cpu_chunks = reference_cpu_ms(fits["fuse_dense"], steps)
