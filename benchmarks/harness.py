@@ -353,16 +353,7 @@ def table(paths: Sequence[Path]) -> str:
     parts = []
     for path in paths:
         records = read_records(path)
-        keys = [key for key in KEYS if any(key in r for r in records)]
-        newest: dict[tuple, list[dict]] = {}
-        for record in records:
-            key, when = tuple(record.get(k) for k in keys), record.get("run_started", "")
-            kept = newest.setdefault(key, [record])
-            if when > kept[0].get("run_started", ""):
-                newest[key] = [record]
-            elif when == kept[0].get("run_started", "") and record is not kept[0]:
-                kept.append(record)
-        rows = sorted(map(pooled, newest.values()), key=lambda r: tuple(str(r.get(k)) for k in keys))
+        rows = newest_rows(records)
         columns = [c for c in dict.fromkeys(c for r in [*records, *rows] for c in r) if c not in ENV]
         lines = [f"### {Path(path).name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
@@ -372,6 +363,28 @@ def table(paths: Sequence[Path]) -> str:
                          for when, device, version, commit, command in runs]  # fmt: skip
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
+
+
+def newest_rows(records: Sequence[dict]) -> list[dict]:
+    """Each key's (:data:`KEYS`) newest run, its repeats pooled (:func:`pooled`), in the order of their keys.
+
+    Example::
+
+        >>> old = {"model": "m", "variant": "fuse", "step_ms": 9.0, "run_started": "2026-11-01"}
+        >>> new = [{**old, "step_ms": ms, "run_started": "2026-11-02"} for ms in (3.0, 5.0)]
+        >>> [row["step_ms"] for row in newest_rows([old, *new])]
+        [4.0]
+    """
+    keys = [key for key in KEYS if any(key in r for r in records)]
+    newest: dict[tuple, list[dict]] = {}
+    for record in records:
+        key, when = tuple(record.get(k) for k in keys), record.get("run_started", "")
+        kept = newest.setdefault(key, [record])
+        if when > kept[0].get("run_started", ""):
+            newest[key] = [record]
+        elif when == kept[0].get("run_started", "") and record is not kept[0]:
+            kept.append(record)
+    return sorted(map(pooled, newest.values()), key=lambda r: tuple(str(r.get(k)) for k in keys))
 
 
 def pooled(run: Sequence[dict]) -> dict:

@@ -10,18 +10,26 @@ eager reference steps (at most 24 of 200), as a user's run would. On the GPU (ab
 
     python benchmarks/zoo.py --models gpt2,resnet50 --batches small,large --budget-s 540
     python benchmarks/zoo.py --smoke --models gpt --variants eager,fuse   # CPU, the code path only
+
+``--checks`` prints the issue's checks over a results file instead (:func:`checks`):
+
+    python benchmarks/zoo.py --checks benchmarks/results/zoo.jsonl
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import harness
 import models
 
 FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "setup_s_cold",
           "setup_s_warm", "peak_gb", "plan", "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
+ONE_LINERS = ("compile", "reduce_overhead", "regional")
+"""The variants a user gets with one line of ``torch.compile``: what ``fuse`` is held to."""
 
 
 def measure(spec: dict) -> dict:
@@ -49,12 +57,91 @@ def run_variant(runner: harness.Runner, spec: dict, env: dict) -> dict:
     return {**warm, "setup_s_cold": cold.get("setup_s"), "setup_s_warm": warm.get("setup_s")}
 
 
+def checks(records: list[dict]) -> str:
+    """The any-model issue's checks, as Markdown, over each model and batch's newest rows (``harness.newest_rows``):
+    ``fuse`` over ``eager`` (at most 1.03), over the fastest one-liner measured (:data:`ONE_LINERS`; at most 1.05,
+    and 0.85 as the geometric mean), its cold setup over ``reduce_overhead``'s (at most 1.5) and its warm setup
+    over its cold one (at most 0.25; ``reduce_overhead``'s own in brackets), and the fits that crashed (an error
+    that is not a skip). A ratio whose two sides were not both measured is left out.
+
+    Example::
+
+        >>> rows = [{"model": "m", "batch_size": 8, "variant": "eager", "step_ms": 30.0},
+        ...         {"model": "m", "batch_size": 8, "variant": "reduce_overhead", "step_ms": 10.0,
+        ...          "setup_s_cold": 40.0, "setup_s_warm": 10.0},
+        ...         {"model": "m", "batch_size": 8, "variant": "fuse", "step_ms": 9.0, "setup_s_cold": 50.0,
+        ...          "setup_s_warm": 10.0, "plan": "compile+graph"}]
+        >>> print(checks(rows).splitlines()[2])
+        | m | 8 | 30.00 | 10.00 (reduce_overhead) | 9.00 | compile+graph | 0.30 | 0.90 | 1.25 | 0.20 (0.25) |
+        >>> print(checks(rows).splitlines()[-1])
+        1 cases, 0 crashed fits; fuse <= 1.03x eager in 1 of 1; <= 1.05x the best one-liner in 1 of 1, geometric \
+mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in 1 of 1.
+    """
+    cases: dict[tuple, dict[str, dict]] = {}
+    crashed = 0
+    for row in harness.newest_rows(records):
+        error = row.get("error")
+        crashed += bool(error) and not error.startswith("skipped")
+        if row.get("step_ms") is not None and not error:
+            cases.setdefault((row["model"], row["batch_size"]), {})[row["variant"]] = row
+    judged = [_case_checks(model, batch, variants) for (model, batch), variants in sorted(cases.items())]
+    judged = [case for case in judged if case is not None]
+    ratios = {name: [case[name] for case in judged if case[name] is not None]
+              for name in ("over_eager", "over_best", "cold", "warm")}  # fmt: skip
+    best = ratios["over_best"]
+    return "\n".join([
+        ("| model | batch | eager ms | best one-liner ms | fuse ms | plan | over eager | over best | cold over "
+         "reduce-overhead's | warm over cold |"), "|---|---:|---:|---|---:|---|---:|---:|---:|---:|",
+        *(case["line"] for case in judged), "",
+        (f"{len(judged)} cases, {crashed} crashed fits; fuse <= 1.03x eager in "
+         f"{sum(r <= 1.03 for r in ratios['over_eager'])} of {len(ratios['over_eager'])}; <= 1.05x the best "
+         f"one-liner in {sum(r <= 1.05 for r in best)} of {len(best)}, geometric mean "
+         f"{statistics.geometric_mean(best) if best else float('nan'):.2f}; cold setup <= 1.5x reduce-overhead's "
+         f"in {sum(r <= 1.5 for r in ratios['cold'])} of {len(ratios['cold'])}; warm <= 0.25x cold in "
+         f"{sum(r <= 0.25 for r in ratios['warm'])} of {len(ratios['warm'])}."),
+    ])  # fmt: skip
+
+
+def _case_checks(model: str, batch: int, variants: dict[str, dict]) -> dict | None:
+    """One model and batch's ratios (``None`` where a side is missing) and its table line; ``None`` without fuse."""
+    fuse, eager, ro = variants.get("fuse"), variants.get("eager"), variants.get("reduce_overhead")
+    if fuse is None:
+        return None
+    liners = [variants[name] for name in ONE_LINERS if name in variants]
+    best = min(liners, key=lambda row: row["step_ms"]) if liners else None
+
+    def ratio(top: float | None, bottom: float | None) -> float | None:
+        return top / bottom if top is not None and bottom else None
+
+    ro_warm = ratio(ro.get("setup_s_warm"), ro.get("setup_s_cold")) if ro else None
+    found = {"over_eager": ratio(fuse["step_ms"], eager and eager["step_ms"]),
+             "over_best": ratio(fuse["step_ms"], best and best["step_ms"]),
+             "cold": ratio(fuse.get("setup_s_cold"), ro and ro.get("setup_s_cold")),
+             "warm": ratio(fuse.get("setup_s_warm"), fuse.get("setup_s_cold"))}  # fmt: skip
+    cells = [model, batch, _ms(eager), f"{_ms(best)} ({best['variant']})" if best else "-", _ms(fuse),
+             fuse.get("plan") or "-", *(_ratio(found[name]) for name in ("over_eager", "over_best", "cold")),
+             _ratio(found["warm"]) + (f" ({ro_warm:.2f})" if ro_warm is not None else "")]  # fmt: skip
+    return {**found, "line": "| " + " | ".join(map(str, cells)) + " |"}
+
+
+def _ms(row: dict | None) -> str:
+    return f"{row['step_ms']:.2f}" if row is not None else "-"
+
+
+def _ratio(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "zoo.jsonl", models="all", batches="small,large", variants=models.VARIANTS,
                        steps=200, warmup=30)  # fmt: skip
     p.add_argument("--cold", default=",".join(models.VARIANTS[1:]),
                    help="variants also run cold (an empty compile cache) for setup_s_cold, a comma list")
+    p.add_argument("--checks", type=Path, help="print the issue's checks over these records (checks), and stop")
     args = p.parse_args(argv)
+    if args.checks is not None:
+        print(checks(harness.read_records(args.checks)))
+        return 0
     steps, warmup = (6, 4) if args.smoke else (args.steps, args.warmup)
     cold = harness.split(args.cold, models.VARIANTS)
     groups = [[{"model": model, "source": models.MODELS[model][0], "batch_size": batch, "variant": variant,
