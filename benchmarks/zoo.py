@@ -62,7 +62,7 @@ def checks(records: list[dict]) -> str:
     ``fuse`` over ``eager`` (at most 1.03), over the fastest one-liner measured (:data:`ONE_LINERS`; at most 1.05,
     and 0.85 as the geometric mean), its cold setup over ``reduce_overhead``'s (at most 1.5) and its warm setup
     over its cold one (at most 0.25; ``reduce_overhead``'s own in brackets), and the fits that crashed (an error
-    that is not a skip). A ratio whose two sides were not both measured is left out.
+    that is not a skip, named). A ratio whose two sides were not both measured is left out.
 
     Example::
 
@@ -78,10 +78,11 @@ def checks(records: list[dict]) -> str:
 mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in 1 of 1.
     """
     cases: dict[tuple, dict[str, dict]] = {}
-    crashed = 0
+    crashed = []
     for row in harness.newest_rows(records):
         error = row.get("error")
-        crashed += bool(error) and not error.startswith("skipped")
+        if error and not error.startswith("skipped"):
+            crashed.append(f"{row['model']} {row['batch_size']} {row['variant']}")
         if row.get("step_ms") is not None and not error:
             cases.setdefault((row["model"], row["batch_size"]), {})[row["variant"]] = row
     judged = [_case_checks(model, batch, variants) for (model, batch), variants in sorted(cases.items())]
@@ -89,11 +90,12 @@ mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in
     ratios = {name: [case[name] for case in judged if case[name] is not None]
               for name in ("over_eager", "over_best", "cold", "warm")}  # fmt: skip
     best = ratios["over_best"]
+    named = f" ({', '.join(crashed)})" if crashed else ""
     return "\n".join([
         ("| model | batch | eager ms | best one-liner ms | fuse ms | plan | over eager | over best | cold over "
          "reduce-overhead's | warm over cold |"), "|---|---:|---:|---|---:|---|---:|---:|---:|---:|",
         *(case["line"] for case in judged), "",
-        (f"{len(judged)} cases, {crashed} crashed fits; fuse <= 1.03x eager in "
+        (f"{len(judged)} cases, {len(crashed)} crashed fits{named}; fuse <= 1.03x eager in "
          f"{sum(r <= 1.03 for r in ratios['over_eager'])} of {len(ratios['over_eager'])}; <= 1.05x the best "
          f"one-liner in {sum(r <= 1.05 for r in best)} of {len(best)}, geometric mean "
          f"{statistics.geometric_mean(best) if best else float('nan'):.2f}; cold setup <= 1.5x reduce-overhead's "

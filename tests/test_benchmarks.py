@@ -116,7 +116,8 @@ def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows
         return {"model": model, "batch_size": 8, "variant": variant, "run_started": when, **fields}
 
     records = [
-        row("a", "eager", step_ms=40.0), row("a", "compile", step_ms=20.0), row("a", "fuse", "2026-11-01", step_ms=30.0),
+        row("a", "eager", step_ms=40.0), row("a", "compile", step_ms=20.0),
+        row("a", "fuse", "2026-11-01", step_ms=30.0),  # older: the newer fuse row below counts
         row("a", "reduce_overhead", step_ms=10.0, setup_s_cold=40.0, setup_s_warm=12.0),
         row("a", "fuse", step_ms=11.0, setup_s_cold=80.0, setup_s_warm=8.0, plan="graph"),
         row("b", "eager", step_ms=40.0), row("b", "fuse", step_ms=44.0, plan="eager"),
@@ -128,9 +129,9 @@ def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows
     assert lines[2] == "| a | 8 | 40.00 | 10.00 (reduce_overhead) | 11.00 | graph | 0.28 | 1.10 | 2.00 | 0.10 (0.30) |"
     assert lines[3] == "| b | 8 | 40.00 | - | 44.00 | eager | 1.10 | - | - | - |", "no one-liner measured: left out"
     assert len(lines) == 6, "c's fuse crashed: no row of its own"
-    assert lines[-1] == ("2 cases, 1 crashed fits; fuse <= 1.03x eager in 1 of 2; <= 1.05x the best one-liner in 0 "
-                         "of 1, geometric mean 1.10; cold setup <= 1.5x reduce-overhead's in 0 of 1; warm <= 0.25x "
-                         "cold in 1 of 1."), "the newest fuse row of a counts; a skip is no crash"  # fmt: skip
+    assert lines[-1] == ("2 cases, 1 crashed fits (c 8 fuse); fuse <= 1.03x eager in 1 of 2; <= 1.05x the best "
+                         "one-liner in 0 of 1, geometric mean 1.10; cold setup <= 1.5x reduce-overhead's in 0 of 1; "
+                         "warm <= 0.25x cold in 1 of 1."), "a crash is named; a skip is none"  # fmt: skip
     out = tmp_path / "zoo.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert zoo.main(["--checks", str(out)]) == 0
