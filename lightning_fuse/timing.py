@@ -576,6 +576,7 @@ def summarize(
     """
     compiled = times.get(COMPILED, [])
     eager = list(times.get(EAGER, []) if reference is None else reference)
+    reference_steps = [*times.get(EAGER, []), *times.get(LEAD_IN, [])]  # this epoch's, timed and lead-in
     point, low, high = speedup_interval(eager, compiled, confidence, chunks=reference_chunks)
     return EpochTiming(
         step_ms=statistics.median(compiled) if compiled else None,
@@ -584,8 +585,8 @@ def summarize(
         eager_steps=len(eager),
         speedup_low=low,
         speedup_high=high,
-        reference_ms=sum(times.get(EAGER, [])) + sum(times.get(LEAD_IN, [])),
-        reference_steps=len(times.get(EAGER, [])) + len(times.get(LEAD_IN, [])),
+        reference_ms=sum(reference_steps),
+        reference_steps=len(reference_steps),
         train_ms=sum(sum(steps) for steps in times.values()),
         reference_age=reference_age,
     )
