@@ -36,6 +36,7 @@ no graph), to find which piece moves the losses or the time. On a machine with 2
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
+    python benchmarks/multi_gpu.py --checks benchmarks/results/multi_gpu.jsonl   # the issue's speed checks
     python benchmarks/multi_gpu.py --models gpt2 --batches small --strategies ddp --data markov --scheduler \
         --variants eager,eager_fp32,fuse   # losses on a fit that learns
     python benchmarks/multi_gpu.py --smoke --models gpt --variants eager,fuse   # CPU: gloo, 2 processes
@@ -44,6 +45,7 @@ no graph), to find which piece moves the losses or the time. On a machine with 2
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -216,6 +218,73 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         lines.append("| " + " | ".join([*map(str, case), *judge_cell, *cells]) + " |")
     return "\n".join(lines)
 
+SPEED_VARIANTS = ("eager", "compile", "fuse")
+"""The variants the issue's speed checks compare (:func:`checks`)."""
+
+
+def checks(records: list[dict]) -> str:
+    """The several-GPUs issue's speed checks, as Markdown, over each default fit's newest rows
+    (``harness.newest_rows``; seed 0, random batches, no scheduler): ``fuse`` over ``eager`` (never slower: at most
+    1.0) and over ``compile`` (at most 1.0 on every case, 0.8 as the geometric mean), each step time with its
+    spread (a fit's quartiles, or its repeats' range). A ratio is taken only where both sides ran on the same
+    device: a case whose variants ran on different ones names them and is left out of that ratio's count. Fits
+    that crashed (an error that is not a skip) are named.
+
+    Example::
+
+        >>> rows = [{"model": "m", "strategy": "ddp", "batch_size": 8, "variant": v, "step_ms": ms, "device": "H200"}
+        ...         for v, ms in (("eager", 30.0), ("compile", 20.0), ("fuse", 10.0))]
+        >>> print(checks(rows).splitlines()[2])
+        | m | ddp | 8 | 30.00 | 20.00 | 10.00 | - | 0.33 | 0.50 | H200 |
+        >>> print(checks(rows).splitlines()[-1])
+        1 cases, 0 crashed fits; fuse <= eager in 1 of 1; <= compile in 1 of 1, geometric mean 0.50.
+    """
+    cases: dict[tuple, dict[str, dict]] = {}
+    crashed = []
+    for row in harness.newest_rows(records):
+        if row.get("seed") or _fit(row) != "random":
+            continue
+        error = row.get("error")
+        if error and not error.startswith("skipped"):
+            crashed.append(f"{row['model']} {row['strategy']} {row['batch_size']} {row['variant']}")
+        if row.get("step_ms") is not None and not error:
+            cases.setdefault((row["model"], row["strategy"], row["batch_size"]), {})[row["variant"]] = row
+    judged = [_case_checks(case, variants) for case, variants in sorted(cases.items(), key=str) if "fuse" in variants]
+    over = {side: [case[side] for case in judged if case[side] is not None] for side in ("eager", "compile")}
+    mixed = sum(case["mixed"] for case in judged)
+    named = f" ({', '.join(crashed)})" if crashed else ""
+    return "\n".join([
+        "| model | strategy | batch | eager ms | compile ms | fuse ms | plan | over eager | over compile | device |",
+        "|---|---|---:|---:|---:|---:|---|---:|---:|---|", *(case["line"] for case in judged), "",
+        (f"{len(judged)} cases, {len(crashed)} crashed fits{named}; fuse <= eager in "
+         f"{sum(r <= 1.0 for r in over['eager'])} of {len(over['eager'])}; <= compile in "
+         f"{sum(r <= 1.0 for r in over['compile'])} of {len(over['compile'])}, geometric mean "
+         f"{statistics.geometric_mean(over['compile']) if over['compile'] else float('nan'):.2f}"
+         + (f"; {mixed} cases with a side on another device, left out of that ratio." if mixed else ".")),
+    ])  # fmt: skip
+
+
+def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
+    """One case's ``fuse`` over ``eager`` and over ``compile`` (``None`` where a side is missing or ran on another
+    device than ``fuse``), and its table line."""
+    fuse = variants["fuse"]
+    found = {side: fuse["step_ms"] / variants[side]["step_ms"] if variants.get(side, {}).get("device") ==
+             fuse.get("device") else None for side in ("eager", "compile")}  # fmt: skip
+    devices = sorted({str(row.get("device")) for name, row in variants.items() if name in SPEED_VARIANTS})
+    cells = [*case, *map(_spread, map(variants.get, SPEED_VARIANTS)), fuse.get("plan") or "-",
+             *(f"{found[side]:.2f}" if found[side] is not None else "-" for side in ("eager", "compile")),
+             " / ".join(devices)]  # fmt: skip
+    return {**found, "mixed": len(devices) > 1, "line": "| " + " | ".join(map(str, cells)) + " |"}
+
+
+def _spread(row: dict | None) -> str:
+    """A row's step time with its spread: its quartiles (one fit) or its repeats' range."""
+    if row is None:
+        return "-"
+    low_high = row.get("step_ms_range") or (row.get("step_ms_q1"), row.get("step_ms_q3"))
+    spread = f" ({low_high[0]:.1f}-{low_high[1]:.1f})" if None not in low_high else ""
+    return f"{row['step_ms']:.2f}{spread}"
+
 
 def _fit(record: dict) -> str:
     """What a record's fit trains on: ``random`` (batches cycled) or ``markov`` text, ``+lr`` with the scheduler."""
@@ -236,12 +305,16 @@ def main(argv: list[str] | None = None) -> int:
                        steps=200, warmup=30)  # fmt: skip
     p.add_argument("--strategies", default="ddp,fsdp")
     p.add_argument("--losses", type=Path, help="print each variant's loss gap to eager from these records, and stop")
+    p.add_argument("--checks", type=Path, help="print the issue's speed checks over these records, and stop")
     p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
     p.add_argument("--data", choices=("random", "markov"), default="random",
                    help="random batches cycled (the default), or Markov text: a new batch each step of an epoch "
                         "(causal LMs)")
     p.add_argument("--scheduler", action="store_true", help="a warmup-then-cosine learning rate, stepped each step")
     args = p.parse_args(argv)
+    if args.checks:
+        print(checks(harness.read_records(args.checks)))
+        return 0
     if args.losses:
         records = harness.read_records(args.losses)
         print(f"Against eager:\n\n{loss_gaps(records)}\n")

@@ -408,6 +408,35 @@ def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
     assert idle["loss_curves"] == full_precision["loss_curves"], "on CPU both are eager in full precision"
 
 
+def test_multi_gpu_checks_divide_only_default_fits_newest_rows_from_one_device(tmp_path: Path, capsys) -> None:
+    import multi_gpu
+
+    def row(model: str, variant: str, ms: float | None, device: str = "H200", **fields: Any) -> dict:
+        return {"model": model, "strategy": "ddp", "batch_size": 8, "variant": variant, "step_ms": ms,
+                "device": device, "run_started": "2026-11-02", **fields}  # fmt: skip
+
+    records = [
+        row("a", "eager", 40.0, step_ms_q1=38.0, step_ms_q3=42.0), row("a", "compile", 20.0),
+        row("a", "fuse", 30.0, run_started="2026-11-01"),  # older: the newer fuse row below counts
+        row("a", "fuse", 10.0, plan="compile+graph"),
+        row("a", "fuse", 99.0, data="markov", scheduler=True),  # another fit: not the speed checks'
+        row("b", "eager", 40.0), row("b", "compile", 30.0, device="H100"), row("b", "fuse", 44.0, plan="eager"),
+        row("c", "eager", 40.0), row("c", "fuse", None, error="RuntimeError: boom"),
+        row("c", "compile", None, error="skipped: 7 s of the budget left"),
+    ]  # fmt: skip
+    text = multi_gpu.checks(records)
+    lines = text.splitlines()
+    assert lines[2] == "| a | ddp | 8 | 40.00 (38.0-42.0) | 20.00 | 10.00 | compile+graph | 0.25 | 0.50 | H200 |"
+    assert lines[3] == "| b | ddp | 8 | 40.00 | 30.00 | 44.00 | eager | 1.10 | - | H100 / H200 |", "compile ran elsewhere"
+    assert len(lines) == 6, "c's fuse crashed: no row of its own"
+    assert lines[-1] == ("2 cases, 1 crashed fits (c ddp 8 fuse); fuse <= eager in 1 of 2; <= compile in 1 of 1, "
+                         "geometric mean 0.50; 1 cases with a side on another device, left out of that ratio.")
+    out = tmp_path / "multi_gpu.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert multi_gpu.main(["--checks", str(out)]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
 def test_multi_gpus_own_variants_run_a_variant_of_the_zoo_with_settings_fuse_accepts() -> None:
     import multi_gpu
 
