@@ -45,6 +45,8 @@ KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "e
         "data", "scheduler", "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
 ENV = ("device", "torch", "run_started", "command", "commit")
+SKIPPED = "skipped:"
+"""How the ``error`` of a job the budget left out begins (:meth:`Runner.launch`): no crash (:func:`crashed`)."""
 LOSS_WINDOW = 10
 """``final_loss`` is the mean loss of the fit's last this many steps."""
 WITHIN_RATIO = 2.0
@@ -169,7 +171,7 @@ class Runner:
         """Run ``python script --child spec``; its record, or one whose ``error`` says why there is none."""
         left, longest = self.deadline - time.monotonic(), self.longest.get(kind, 0.0)
         if left <= max(longest, 1.0):
-            return {"error": f"skipped: {left:.0f} s of the budget left, the longest such process took {longest:.0f} s"}
+            return {"error": f"{SKIPPED} {left:.0f} s of the budget left, the longest such process took {longest:.0f} s"}
         argv = [sys.executable, str(ROOT / "benchmarks" / script), "--child", json.dumps(spec)]
         start = time.monotonic()
         proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
@@ -385,6 +387,18 @@ def newest_rows(records: Sequence[dict]) -> list[dict]:
         elif when == kept[0].get("run_started", "") and record is not kept[0]:
             kept.append(record)
     return sorted(map(pooled, newest.values()), key=lambda r: tuple(str(r.get(k)) for k in keys))
+
+
+def crashed(record: dict) -> bool:
+    """Whether ``record``'s job failed: an ``error`` that is not the budget's skip (:data:`SKIPPED`).
+
+    Example::
+
+        >>> crashed({"error": "RuntimeError: boom"}), crashed({"error": "skipped: 7 s of the budget left"})
+        (True, False)
+    """
+    error = record.get("error")
+    return bool(error) and not error.startswith(SKIPPED)
 
 
 def pooled(run: Sequence[dict]) -> dict:

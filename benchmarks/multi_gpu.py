@@ -240,23 +240,22 @@ def checks(records: list[dict]) -> str:
         1 cases, 0 crashed fits; fuse <= eager in 1 of 1; <= compile in 1 of 1, geometric mean 0.50.
     """
     cases: dict[tuple, dict[str, dict]] = {}
-    crashed = []
+    crashes = []
     for row in harness.newest_rows(records):
         if row.get("seed") or _fit(row) != "random":
             continue
-        error = row.get("error")
-        if error and not error.startswith("skipped"):
-            crashed.append(f"{row['model']} {row['strategy']} {row['batch_size']} {row['variant']}")
-        if row.get("step_ms") is not None and not error:
+        if harness.crashed(row):
+            crashes.append(f"{row['model']} {row['strategy']} {row['batch_size']} {row['variant']}")
+        if row.get("step_ms") is not None and not row.get("error"):
             cases.setdefault((row["model"], row["strategy"], row["batch_size"]), {})[row["variant"]] = row
     judged = [_case_checks(case, variants) for case, variants in sorted(cases.items(), key=str) if "fuse" in variants]
     over = {side: [case[side] for case in judged if case[side] is not None] for side in ("eager", "compile")}
     mixed = sum(case["mixed"] for case in judged)
-    named = f" ({', '.join(crashed)})" if crashed else ""
+    named = f" ({', '.join(crashes)})" if crashes else ""
     return "\n".join([
         "| model | strategy | batch | eager ms | compile ms | fuse ms | plan | over eager | over compile | device |",
         "|---|---|---:|---:|---:|---:|---|---:|---:|---|", *(case["line"] for case in judged), "",
-        (f"{len(judged)} cases, {len(crashed)} crashed fits{named}; fuse <= eager in "
+        (f"{len(judged)} cases, {len(crashes)} crashed fits{named}; fuse <= eager in "
          f"{sum(r <= 1.0 for r in over['eager'])} of {len(over['eager'])}; <= compile in "
          f"{sum(r <= 1.0 for r in over['compile'])} of {len(over['compile'])}, geometric mean "
          f"{statistics.geometric_mean(over['compile']) if over['compile'] else float('nan'):.2f}"
@@ -278,12 +277,12 @@ def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
 
 
 def _spread(row: dict | None) -> str:
-    """A row's step time with its spread: its quartiles (one fit) or its repeats' range."""
+    """A row's step time with its spread: its repeats' range (``harness.pooled``), or one fit's quartiles."""
     if row is None:
         return "-"
-    low_high = row.get("step_ms_range") or (row.get("step_ms_q1"), row.get("step_ms_q3"))
-    spread = f" ({low_high[0]:.1f}-{low_high[1]:.1f})" if None not in low_high else ""
-    return f"{row['step_ms']:.2f}{spread}"
+    quartiles = (row.get("step_ms_q1"), row.get("step_ms_q3"))
+    spread = row.get("step_ms_range") or (f"{quartiles[0]:.1f}-{quartiles[1]:.1f}" if None not in quartiles else "")
+    return f"{row['step_ms']:.2f}" + (f" ({spread})" if spread else "")
 
 
 def _fit(record: dict) -> str:

@@ -78,24 +78,23 @@ def checks(records: list[dict]) -> str:
 mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in 1 of 1.
     """
     cases: dict[tuple, dict[str, dict]] = {}
-    crashed = []
+    crashes = []
     for row in harness.newest_rows(records):
-        error = row.get("error")
-        if error and not error.startswith("skipped"):
-            crashed.append(f"{row['model']} {row['batch_size']} {row['variant']}")
-        if row.get("step_ms") is not None and not error:
+        if harness.crashed(row):
+            crashes.append(f"{row['model']} {row['batch_size']} {row['variant']}")
+        if row.get("step_ms") is not None and not row.get("error"):
             cases.setdefault((row["model"], row["batch_size"]), {})[row["variant"]] = row
     judged = [_case_checks(model, batch, variants) for (model, batch), variants in sorted(cases.items())]
     judged = [case for case in judged if case is not None]
     ratios = {name: [case[name] for case in judged if case[name] is not None]
               for name in ("over_eager", "over_best", "cold", "warm")}  # fmt: skip
     best = ratios["over_best"]
-    named = f" ({', '.join(crashed)})" if crashed else ""
+    named = f" ({', '.join(crashes)})" if crashes else ""
     return "\n".join([
         ("| model | batch | eager ms | best one-liner ms | fuse ms | plan | over eager | over best | cold over "
          "reduce-overhead's | warm over cold |"), "|---|---:|---:|---|---:|---|---:|---:|---:|---:|",
         *(case["line"] for case in judged), "",
-        (f"{len(judged)} cases, {len(crashed)} crashed fits{named}; fuse <= 1.03x eager in "
+        (f"{len(judged)} cases, {len(crashes)} crashed fits{named}; fuse <= 1.03x eager in "
          f"{sum(r <= 1.03 for r in ratios['over_eager'])} of {len(ratios['over_eager'])}; <= 1.05x the best "
          f"one-liner in {sum(r <= 1.05 for r in best)} of {len(best)}, geometric mean "
          f"{statistics.geometric_mean(best) if best else float('nan'):.2f}; cold setup <= 1.5x reduce-overhead's "

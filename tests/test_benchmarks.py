@@ -416,7 +416,8 @@ def test_multi_gpu_checks_divide_only_default_fits_newest_rows_from_one_device(t
                 "device": device, "run_started": "2026-11-02", **fields}  # fmt: skip
 
     records = [
-        row("a", "eager", 40.0, step_ms_q1=38.0, step_ms_q3=42.0), row("a", "compile", 20.0),
+        row("a", "eager", 40.0, step_ms_q1=38.0, step_ms_q3=42.0), row("a", "eager", 44.0),  # repeats: pooled
+        row("a", "compile", 20.0, step_ms_q1=19.0, step_ms_q3=21.0),
         row("a", "fuse", 30.0, run_started="2026-11-01"),  # older: the newer fuse row below counts
         row("a", "fuse", 10.0, plan="compile+graph"),
         row("a", "fuse", 99.0, data="markov", scheduler=True),  # another fit: not the speed checks'
@@ -426,7 +427,8 @@ def test_multi_gpu_checks_divide_only_default_fits_newest_rows_from_one_device(t
     ]  # fmt: skip
     text = multi_gpu.checks(records)
     lines = text.splitlines()
-    assert lines[2] == "| a | ddp | 8 | 40.00 (38.0-42.0) | 20.00 | 10.00 | compile+graph | 0.25 | 0.50 | H200 |"
+    assert lines[2] == ("| a | ddp | 8 | 42.00 (40.00-44.00) | 20.00 (19.0-21.0) | 10.00 | compile+graph | 0.24 | 0.50 "
+                        "| H200 |"), "the repeats' median and range; one fit's quartiles"
     assert lines[3] == "| b | ddp | 8 | 40.00 | 30.00 | 44.00 | eager | 1.10 | - | H100 / H200 |", "compile ran elsewhere"
     assert len(lines) == 6, "c's fuse crashed: no row of its own"
     assert lines[-1] == ("2 cases, 1 crashed fits (c ddp 8 fuse); fuse <= eager in 1 of 2; <= compile in 1 of 1, "
