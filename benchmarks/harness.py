@@ -45,7 +45,7 @@ KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "e
         "data", "scheduler", "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
 ENV = ("device", "torch", "run_started", "command", "commit")
-SKIPPED = "skipped:"
+BUDGET_SKIP = "skipped:"
 """How the ``error`` of a job the budget left out begins (:meth:`Runner.launch`): no crash (:func:`crashed`)."""
 LOSS_WINDOW = 10
 """``final_loss`` is the mean loss of the fit's last this many steps."""
@@ -171,7 +171,8 @@ class Runner:
         """Run ``python script --child spec``; its record, or one whose ``error`` says why there is none."""
         left, longest = self.deadline - time.monotonic(), self.longest.get(kind, 0.0)
         if left <= max(longest, 1.0):
-            return {"error": f"{SKIPPED} {left:.0f} s of the budget left, the longest such process took {longest:.0f} s"}
+            return {"error": f"{BUDGET_SKIP} {left:.0f} s of the budget left, the longest such process took "
+                             f"{longest:.0f} s"}
         argv = [sys.executable, str(ROOT / "benchmarks" / script), "--child", json.dumps(spec)]
         start = time.monotonic()
         proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
@@ -390,7 +391,7 @@ def newest_rows(records: Sequence[dict]) -> list[dict]:
 
 
 def crashed(record: dict) -> bool:
-    """Whether ``record``'s job failed: an ``error`` that is not the budget's skip (:data:`SKIPPED`).
+    """Whether ``record``'s job failed: an ``error`` that is not the budget's skip (:data:`BUDGET_SKIP`).
 
     Example::
 
@@ -398,7 +399,7 @@ def crashed(record: dict) -> bool:
         (True, False)
     """
     error = record.get("error")
-    return bool(error) and not error.startswith(SKIPPED)
+    return bool(error) and not error.startswith(BUDGET_SKIP)
 
 
 def pooled(run: Sequence[dict]) -> dict:

@@ -59,6 +59,8 @@ class Task(pl.LightningModule):
         scheduler: Step a warmup-then-cosine ``LambdaLR`` every step.
         fused: A fused AdamW on CUDA, else torch's default, foreach (Lightning refuses to clip a fused optimizer's
             gradients under mixed precision).
+
+    Set ``fully_shard`` before the fit to shard it with FSDP2 (the strategy must be ``ModelParallelStrategy``).
     """
 
     def __init__(self, net: nn.Module, loss_fn: Callable, data: Batches, lr: float = 3e-4, scheduler: bool = False,
@@ -66,6 +68,19 @@ class Task(pl.LightningModule):
         super().__init__()
         self.model, self.loss_fn, self.data, self.lr, self.scheduler = net, loss_fn, data, lr, scheduler
         self.fused = fused
+        self.fully_shard = False
+        """FSDP2, under Lightning's ``ModelParallelStrategy``: ``fully_shard`` each repeated block, then the network,
+        in :meth:`configure_model` (as torchtitan shards)."""
+
+    def configure_model(self) -> None:
+        if not self.fully_shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for block in repeated_blocks(self.model):
+            if block is not self.model:
+                fully_shard(block)
+        fully_shard(self.model)
 
     def on_fit_start(self) -> None:
         self.data.to(self.device)

@@ -1,7 +1,8 @@
 """DDP and FSDP on 2 GPUs: does FuseCallback's plan pay with several processes? (``models.VARIANTS``)
 
 Each (model, strategy, batch, variant) is one launch: Lightning starts the second process itself
-(``Trainer(devices=2, strategy="ddp"|"fsdp")``, FSDP with one unit per repeated block). ``batch_size`` is per
+(``Trainer(devices=2, strategy="ddp"|"fsdp")``, FSDP with one unit per repeated block; ``fsdp2``: Lightning's
+``ModelParallelStrategy`` with FSDP2's ``fully_shard`` on each repeated block and the network). ``batch_size`` is per
 rank, and each rank trains on its own batch at every step; ``step_ms`` is rank 0's median step after the warmup
 (``step_ms_q1``/``q3``: its quartiles). The fit runs in :data:`EPOCHS` epochs, and a ``fuse`` record adds what
 FuseCallback logged on rank zero for the last one, which holds no compile nor search: ``speedup_logged`` and each
@@ -55,7 +56,7 @@ import harness
 import lightning.pytorch as pl
 import models
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch import nn
 
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "data", "scheduler", "variant", "step_ms",
@@ -78,6 +79,10 @@ TOLERANCES = {"eager": ("eager_fp32", 1.0), "eager_fp32": ("eager", harness.WITH
 MATMUL_FLAGS = {"eager_exact_reductions": {"allow_bf16_reduced_precision_reduction": False}}
 """Variants that set ``torch.backends.cuda.matmul`` flags for the whole fit, on every rank."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
+STRATEGIES = ("ddp", "fsdp", "fsdp2")
+"""DDP, FSDP (Lightning's ``FSDPStrategy``), FSDP2 (``ModelParallelStrategy`` and ``fully_shard``)."""
+SPEED_VARIANTS = ("eager", "compile", "fuse")
+"""The variants the issue's speed checks compare (:func:`checks`)."""
 CURVE_POINTS = 10
 """``loss_curves``: the fit's steps in this many blocks, each block's mean loss."""
 EPOCHS = 2
@@ -153,6 +158,9 @@ def measure(spec: dict) -> dict:
     if strategy == "fsdp":
         blocks = {type(block) for block in models.repeated_blocks(task.model)} - {type(task.model)}
         strategy = FSDPStrategy(auto_wrap_policy=blocks or None)
+    elif strategy == "fsdp2":
+        task.fully_shard = True
+        strategy = ModelParallelStrategy(data_parallel_size=spec["world_size"], tensor_parallel_size=1)
     started = time.perf_counter()
     variant, callbacks, trainer_kw = apply_derived(task, spec["variant"], spec["smoke"], spec["cache_dir"])
     losses = RankLosses()
@@ -218,9 +226,6 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         lines.append("| " + " | ".join([*map(str, case), *judge_cell, *cells]) + " |")
     return "\n".join(lines)
 
-SPEED_VARIANTS = ("eager", "compile", "fuse")
-"""The variants the issue's speed checks compare (:func:`checks`)."""
-
 
 def checks(records: list[dict]) -> str:
     """The several-GPUs issue's speed checks, as Markdown, over each default fit's newest rows
@@ -267,8 +272,8 @@ def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
     """One case's ``fuse`` over ``eager`` and over ``compile`` (``None`` where a side is missing or ran on another
     device than ``fuse``), and its table line."""
     fuse = variants["fuse"]
-    found = {side: fuse["step_ms"] / variants[side]["step_ms"] if variants.get(side, {}).get("device") ==
-             fuse.get("device") else None for side in ("eager", "compile")}  # fmt: skip
+    found = {side: fuse["step_ms"] / variants[side]["step_ms"] if side in variants and variants[side].get("device")
+             == fuse.get("device") else None for side in ("eager", "compile")}  # fmt: skip
     devices = sorted({str(row.get("device")) for name, row in variants.items() if name in SPEED_VARIANTS})
     cells = [*case, *map(_spread, map(variants.get, SPEED_VARIANTS)), fuse.get("plan") or "-",
              *(f"{found[side]:.2f}" if found[side] is not None else "-" for side in ("eager", "compile")),
@@ -302,7 +307,7 @@ def _gap(curves: list[list[float]], eager: list[list[float]]) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "multi_gpu.jsonl", models="gpt2,resnet50", batches="small,large", variants=VARIANTS,
                        steps=200, warmup=30)  # fmt: skip
-    p.add_argument("--strategies", default="ddp,fsdp")
+    p.add_argument("--strategies", default="ddp,fsdp", help="a comma list of ddp, fsdp, fsdp2")
     p.add_argument("--losses", type=Path, help="print each variant's loss gap to eager from these records, and stop")
     p.add_argument("--checks", type=Path, help="print the issue's speed checks over these records, and stop")
     p.add_argument("--seed", type=int, default=0, help="the models' initialisation and batches (0: the default)")
@@ -326,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                 **({"data": args.data} if args.data != "random" else {}),
                 **({"scheduler": True} if args.scheduler else {})}
                for variant in harness.split(args.variants, VARIANTS)]
-              for model, batch in models.regimes(args) for strategy in harness.split(args.strategies, ("ddp", "fsdp"))]
+              for model, batch in models.regimes(args) for strategy in harness.split(args.strategies, STRATEGIES)]
     return harness.run(args, "multi_gpu.py", measure, FIELDS, groups)
 
 

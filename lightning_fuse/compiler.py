@@ -29,7 +29,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_fuse import compat, replay
+from lightning_fuse import compat, replay, sharding
 from lightning_fuse.options import RECOMPILE_LIMIT
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
@@ -249,7 +249,7 @@ class CompiledRegion:
         if self.fallback_reason is not None:
             return out
         args, kwargs = self.policy.as_called(module, args, kwargs)  # not under no_grad: as the hooks saw it
-        with torch.no_grad():
+        with torch.no_grad(), sharding.gathered(module):  # FSDP2's shards: its hooks gather them for a call
             reference = module.forward(*args, **kwargs)  # not _call_impl: hooks already ran once
         self._verified.add(mode)
         mismatch = _compare(out, reference)

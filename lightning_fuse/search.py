@@ -43,6 +43,7 @@ from lightning_fuse import compat
 from lightning_fuse.compiler import TOLERANCES, describe_error, effective_dtype
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
+from lightning_fuse.sharding import local_shard
 from lightning_fuse.state import Snapshot
 
 WARM_CALLS = 2
@@ -286,8 +287,8 @@ class TrialCall:
         self._loss = loss.detach() if loss is not None else torch.zeros(())
 
     def last(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last call's loss and the gradient norm it left."""
-        grads = [p.grad.float().norm() for p in self.module.parameters() if p.grad is not None]
+        """The last call's loss and the gradient norm it left (of this rank's shards, where FSDP2 shards them)."""
+        grads = [local_shard(p.grad).float().norm() for p in self.module.parameters() if p.grad is not None]
         return self._loss, torch.stack(grads).norm() if grads else torch.zeros(())
 
 

@@ -15,6 +15,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_fuse.callback as fuse_callback
 import lightning_fuse.plan as plan_module
@@ -30,6 +31,7 @@ from tests.user_models import (
     GanTask,
     HFTask,
     moe_net,
+    ShardedTask,
     UserCompiledTask,
     VariableLengthTask,
     assert_plan_ran,
@@ -127,6 +129,26 @@ def test_gradient_accumulation_with_clipping(monkeypatch):
     assert_plan_ran(cb, "regions")
     assert_same_training(fused, eager)
     assert fused.trainer.global_step == eager.trainer.global_step == STEPS  # 2 epochs of 12 batches, 2 per step
+
+
+# ---------------------------------------------------------------------------------------------- sharded parameters
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="FSDP2 needs torch.distributed")
+@pytest.mark.parametrize("winner", ["regions", "compile"])
+def test_fsdp2_fully_shard_in_configure_model(monkeypatch, winner):
+    """Lightning's ``ModelParallelStrategy`` (one process): the search checks each candidate against eager on FSDP2's
+    sharded parameters and gradients (both checks once failed every candidate there), and the plan trains as eager."""
+    pin_search(monkeypatch, winner)
+    try:
+        eager = fit(ShardedTask, strategy=ModelParallelStrategy())
+        cb = fuse()
+        fused = fit(ShardedTask, [cb], strategy=ModelParallelStrategy())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    measured = [trial.name for trial in cb.decision.trials if trial.ms is not None]
+    assert measured == ["eager", "regions", *(["compile"] if winner == "compile" else [])], cb.decision.lines()
+    assert_plan_ran(cb, winner)
+    assert_same_training(fused, eager)
 
 
 # ---------------------------------------------------------------------------------------------- precision

@@ -188,6 +188,21 @@ class ClassifierTask(pl.LightningModule):
         return DataLoader(self.dataset, batch_size=BATCH)
 
 
+class ShardedTask(ClassifierTask):
+    """FSDP2 as Lightning's ``ModelParallelStrategy`` asks for it: ``fully_shard`` on each block, then the network,
+    in ``configure_model``."""
+
+    def __init__(self) -> None:
+        super().__init__(BlockNet())
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.model.blocks:
+            fully_shard(block)
+        fully_shard(self.model)
+
+
 class FrozenBackboneTask(ClassifierTask):
     """The embedding and the first two blocks frozen (``requires_grad_(False)``): a fine-tuning setup."""
 
