@@ -248,15 +248,32 @@ class CompiledRegion:
         out = self._guarded_call(mode, args, kwargs)
         if self.fallback_reason is not None:
             return out
-        args, kwargs = self.policy.as_called(module, args, kwargs)  # not under no_grad: as the hooks saw it
-        with torch.no_grad(), sharding.gathered(module):  # FSDP2's shards: its hooks gather them for a call
-            reference = module.forward(*args, **kwargs)  # not _call_impl: hooks already ran once
+        try:
+            reference = self._eager_reference(args, kwargs)
+        except compat.control_flow_errors():
+            raise
+        except Exception as err:  # noqa: BLE001 - the check's own failure costs the region, never the run
+            self.fall_back(f"its first output could not be checked against eager ({describe_error(err)})")
+            return out
         self._verified.add(mode)
         mismatch = _compare(out, reference)
         if mismatch is None:
             return out
         self.fall_back(f"its compiled output differs from eager on the first batch ({mismatch})")
+        args, kwargs = self.policy.as_called(module, args, kwargs)
         return compat.call_uncompiled(module, *args, **kwargs)
+
+    def _eager_reference(self, args: tuple, kwargs: dict) -> Any:
+        """The region's eager output for the call it just ran compiled: its forward alone, on the call as its hooks
+        made it (they ran once already); a module FSDP2 shards runs its whole plain call, hooks included, since
+        only its hooks gather its parameters and cast its inputs."""
+        module = self.region.module
+        if sharding.is_sharded(module):
+            with torch.no_grad():
+                return compat.call_uncompiled(module, *args, **kwargs)
+        args, kwargs = self.policy.as_called(module, args, kwargs)  # not under no_grad: as the hooks saw it
+        with torch.no_grad():
+            return module.forward(*args, **kwargs)
 
     def _check_recompiles(self) -> None:
         stats = self.tracker.stats(self.name)

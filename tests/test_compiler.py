@@ -128,6 +128,26 @@ def test_a_region_that_fails_releases_the_cuda_generators_before_it_runs_eagerly
     tracker.remove()
 
 
+def test_a_first_output_that_cannot_be_checked_costs_the_region_never_the_run(recwarn):
+    """The check runs a block's forward alone, after its hooks ran once; where only the hooks make the call runnable
+    (FSDP2's mixed-precision cast, here a hook that casts to float64), the check's error drops the region: the
+    compiled output stands, and every later call runs eagerly."""
+    net = Net().eval()
+    net.blocks[1].double()  # in float64 between its hooks
+    net.blocks[1].register_forward_pre_hook(lambda module, args: (args[0].double(),))
+    net.blocks[1].register_forward_hook(lambda module, args, out: out.float())
+    runners, tracker = compiled(net)
+    x = torch.randn(4, 8)
+    with torch.compiler.set_stance("force_eager"):
+        expected = net(x)
+    torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)  # the first call: its compiled output
+    assert [r.is_compiled for r in runners] == [True, False, True]
+    assert "could not be checked against eager" in runners[1].fallback_reason
+    torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)  # and on, eagerly
+    assert len([w for w in recwarn if "'blocks.1' falls back" in str(w.message)]) == 1
+    tracker.remove()
+
+
 def test_without_verify_a_wrong_backend_goes_unnoticed():
     net = Net()
     runners, tracker = compiled(net, backend=wrong_backend, verify=False)

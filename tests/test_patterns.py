@@ -133,15 +133,17 @@ def test_gradient_accumulation_with_clipping(monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- sharded parameters
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="FSDP2 needs torch.distributed")
-@pytest.mark.parametrize("winner", ["regions", "compile"])
-def test_fsdp2_fully_shard_in_configure_model(monkeypatch, winner):
+@pytest.mark.parametrize(("winner", "mixed"), [("regions", False), ("compile", True)], ids=["regions", "compile-bf16"])
+def test_fsdp2_fully_shard_in_configure_model(monkeypatch, winner, mixed):
     """Lightning's ``ModelParallelStrategy`` (one process): the search checks each candidate against eager on FSDP2's
-    sharded parameters and gradients (both checks once failed every candidate there), and the plan trains as eager."""
+    sharded parameters and gradients (the checks once failed every candidate there, and the network's own under a
+    mixed-precision policy, whose hooks cast its inputs), and the plan trains as eager."""
     pin_search(monkeypatch, winner)
+    make = lambda: ShardedTask(mixed)
     try:
-        eager = fit(ShardedTask, strategy=ModelParallelStrategy())
+        eager = fit(make, strategy=ModelParallelStrategy())
         cb = fuse()
-        fused = fit(ShardedTask, [cb], strategy=ModelParallelStrategy())
+        fused = fit(make, [cb], strategy=ModelParallelStrategy())
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -190,17 +190,19 @@ class ClassifierTask(pl.LightningModule):
 
 class ShardedTask(ClassifierTask):
     """FSDP2 as Lightning's ``ModelParallelStrategy`` asks for it: ``fully_shard`` on each block, then the network,
-    in ``configure_model``."""
+    in ``configure_model``; ``mixed``: in bf16 under FSDP2's mixed-precision policy (its hooks cast the inputs)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mixed: bool = False) -> None:
         super().__init__(BlockNet())
+        self.mixed = mixed
 
     def configure_model(self) -> None:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if self.mixed else None)
         for block in self.model.blocks:
-            fully_shard(block)
-        fully_shard(self.model)
+            fully_shard(block, mp_policy=policy)
+        fully_shard(self.model, mp_policy=policy)
 
 
 class FrozenBackboneTask(ClassifierTask):
