@@ -390,6 +390,28 @@ def newest_rows(records: Sequence[dict]) -> list[dict]:
     return sorted(map(pooled, newest.values()), key=lambda r: tuple(str(r.get(k)) for k in keys))
 
 
+def measured_cases(rows: Iterable[dict], fields: Sequence[str]) -> tuple[dict[tuple, dict[str, dict]], list[str]]:
+    """``rows`` (e.g. :func:`newest_rows`) that measured a step time, by case (their values of ``fields``) and then
+    by variant; and the fits that crashed (:func:`crashed`), each named by its case and variant.
+
+    Example::
+
+        >>> rows = [{"model": "m", "variant": "eager", "step_ms": 3.0}, {"model": "m", "variant": "fuse", "error": "x"}]
+        >>> cases, crashes = measured_cases(rows, ["model"])
+        >>> list(cases[("m",)]), crashes
+        (['eager'], ['m fuse'])
+    """
+    cases: dict[tuple, dict[str, dict]] = {}
+    crashes = []
+    for row in rows:
+        case = tuple(row[field] for field in fields)
+        if crashed(row):
+            crashes.append(" ".join(map(str, [*case, row["variant"]])))
+        if row.get("step_ms") is not None and not row.get("error"):
+            cases.setdefault(case, {})[row["variant"]] = row
+    return cases, crashes
+
+
 def crashed(record: dict) -> bool:
     """Whether ``record``'s job failed: an ``error`` that is not the budget's skip (:data:`BUDGET_SKIP`).
 

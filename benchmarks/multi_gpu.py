@@ -244,15 +244,8 @@ def checks(records: list[dict]) -> str:
         >>> print(checks(rows).splitlines()[-1])
         1 cases, 0 crashed fits; fuse <= eager in 1 of 1; <= compile in 1 of 1, geometric mean 0.50.
     """
-    cases: dict[tuple, dict[str, dict]] = {}
-    crashes = []
-    for row in harness.newest_rows(records):
-        if row.get("seed") or _fit(row) != "random":
-            continue
-        if harness.crashed(row):
-            crashes.append(f"{row['model']} {row['strategy']} {row['batch_size']} {row['variant']}")
-        if row.get("step_ms") is not None and not row.get("error"):
-            cases.setdefault((row["model"], row["strategy"], row["batch_size"]), {})[row["variant"]] = row
+    default_fits = [row for row in harness.newest_rows(records) if not row.get("seed") and _fit(row) == "random"]
+    cases, crashes = harness.measured_cases(default_fits, ("model", "strategy", "batch_size"))
     judged = [_case_checks(case, variants) for case, variants in sorted(cases.items(), key=str) if "fuse" in variants]
     over = {side: [case[side] for case in judged if case[side] is not None] for side in ("eager", "compile")}
     mixed = sum(case["mixed"] for case in judged)

@@ -77,13 +77,7 @@ def checks(records: list[dict]) -> str:
         1 cases, 0 crashed fits; fuse <= 1.03x eager in 1 of 1; <= 1.05x the best one-liner in 1 of 1, geometric \
 mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in 1 of 1.
     """
-    cases: dict[tuple, dict[str, dict]] = {}
-    crashes = []
-    for row in harness.newest_rows(records):
-        if harness.crashed(row):
-            crashes.append(f"{row['model']} {row['batch_size']} {row['variant']}")
-        if row.get("step_ms") is not None and not row.get("error"):
-            cases.setdefault((row["model"], row["batch_size"]), {})[row["variant"]] = row
+    cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "batch_size"))
     judged = [_case_checks(model, batch, variants) for (model, batch), variants in sorted(cases.items())]
     judged = [case for case in judged if case is not None]
     ratios = {name: [case[name] for case in judged if case[name] is not None]
