@@ -266,13 +266,13 @@ class CompiledRegion:
     def _eager_reference(self, args: tuple, kwargs: dict) -> Any:
         """The region's eager output for the call it just ran compiled: its forward alone, on the call as its hooks
         made it (they ran once already); a module FSDP2 shards runs its whole plain call, hooks included, since
-        only its hooks gather its parameters and cast its inputs."""
+        only its hooks gather its parameters and cast its inputs (handed the call as FuseCallback's own hooks made
+        it: under ``no_grad`` they would leave it as it was)."""
         module = self.region.module
-        if sharding.is_sharded(module):
-            with torch.no_grad():
-                return compat.call_uncompiled(module, *args, **kwargs)
         args, kwargs = self.policy.as_called(module, args, kwargs)  # not under no_grad: as the hooks saw it
         with torch.no_grad():
+            if sharding.is_sharded(module):
+                return compat.call_uncompiled(module, *args, **kwargs)
             return module.forward(*args, **kwargs)
 
     def _check_recompiles(self) -> None:

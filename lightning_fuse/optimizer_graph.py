@@ -14,9 +14,10 @@ and as a measured choice:
   update where a :class:`~lightning_fuse.clipping.ClippingInUpdate` is given: the replay clips the graph's gradient
   buffers, and an eager update is preceded by the plugin's own clipping. A step clipping otherwise than at the
   capture (another value or algorithm) runs the optimizer's own update.
-- **What the replay reads.** The gradients are copied into the graph's own buffers (one ``_foreach_copy_``); the
-  learning rate of each parameter group is a device tensor the graph reads, refilled when a scheduler changed the
-  group's ``lr`` (which stays a float for everything else that reads it); Adam's step counters live on the device
+- **What the replay reads.** The gradients are copied into the graph's own buffers (one ``_foreach_copy_``, on each
+  rank's own shards of them under FSDP2); the learning rate of each parameter group is a device tensor the graph
+  reads, refilled when a scheduler changed the group's ``lr`` (which stays a float for everything else that reads
+  it); Adam's step counters live on the device
   (``capturable=True``, which checkpoints do not keep: :meth:`OptimizerGraph.as_saved_without`). The eager
   updates run as the user configured them, with the counters where the user keeps them
   (:class:`~lightning_fuse.step_counters.StepCounters`), so that an eager reference step costs what the user's
@@ -57,7 +58,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from lightning_fuse import compat, replay
+from lightning_fuse import compat, replay, sharding
 from lightning_fuse.clipping import ClipKey, ClippingInUpdate
 from lightning_fuse.compiler import describe_error
 from lightning_fuse.optimizer_trial import BLOCK_STEPS, EAGER, GRAPH, TRIAL_BLOCKS, Trial
@@ -247,9 +248,8 @@ class OptimizerGraph:
         if not self.captured and not self._capture(key, clip):
             return self._eager_update(clip)
         grads = [p.grad for p in self._params]
-        if not self._fit_buffers(grads):
+        if not self._fit_buffers(grads) or not self._copy_in(grads):
             return self._eager_update(clip)
-        compat.copy_tensors(self._grads, grads)
         self._refresh_lrs()
         self._replay()
         self._counters.updated(self._params)
@@ -357,6 +357,18 @@ class OptimizerGraph:
         parameter's ``None``, nor a sparse gradient), in one pass over them."""
         return all(g is not None and g.shape == b.shape and g.dtype == b.dtype and g.device == b.device
                    and not g.is_sparse for g, b in zip(grads, self._grads, strict=True))  # fmt: skip
+
+    def _copy_in(self, grads: list[torch.Tensor]) -> bool:
+        """Copy the gradients into the graph's buffers, each rank's own shard of them under FSDP2 (a sharded tensor
+        has no multi-tensor copy); ``False`` where that failed, said once, with nothing updated yet."""
+        try:
+            with torch.no_grad():  # where a shard is the sharded tensor's own storage, not a view autograd tracks
+                compat.copy_tensors([sharding.local_shard(b) for b in self._grads],
+                                    [sharding.local_shard(g) for g in grads])  # fmt: skip
+        except Exception as err:  # noqa: BLE001 - the optimizer's own update runs instead
+            self._disable(f"its gradients could not be copied into the graph's buffers ({describe_error(err)})")
+            return False
+        return True
 
     def _disable(self, reason: str) -> None:
         if self.disabled_reason is None:

@@ -25,6 +25,7 @@ from lightning_fuse import FuseCallback
 from tests.user_models import (
     HFTask,
     Run,
+    ShardedHFTask,
     assert_same_training,
     fit,
     fuse,
@@ -282,5 +283,23 @@ def test_the_whole_network_compiled_is_checked_against_eager_called_as_its_hooks
     pin_search(monkeypatch, "compile")
     cb = fuse()
     fit(lambda: HFTask(tiny_gpt2()), [cb])
+    assert cb.decision.winner == "compile", cb.decision.lines()
+    assert cb.plan.name == "compile" and not cb.fallbacks, cb.fallbacks
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="FSDP2 needs torch.distributed")
+def test_a_sharded_causal_lm_compiled_whole_is_checked_without_its_cache_too(monkeypatch):
+    """Under FSDP2 the check reruns the whole network's call, whose hooks gather its shards; it must run without
+    the KV cache as the training call did. It ran with it, and on 2x H200 the candidate that compiles GPT-2 whole
+    fell back ("2 outputs against 3 from eager")."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    pin_search(monkeypatch, "compile")
+    cb = fuse()
+    try:
+        fit(lambda: ShardedHFTask(tiny_gpt2()), [cb], strategy=ModelParallelStrategy())
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert cb.decision.winner == "compile", cb.decision.lines()
     assert cb.plan.name == "compile" and not cb.fallbacks, cb.fallbacks

@@ -21,7 +21,7 @@ import lightning_fuse.callback as fuse_callback
 import lightning_fuse.plan as plan_module
 import lightning_fuse.start as start_module
 from lightning_fuse.graphs import GraphedModule
-from tests.faults import DropAfterActivation
+from tests.faults import DropAfterActivation, FakeOptimizerCapture
 from tests.user_models import (
     BF16,
     STEPS,
@@ -137,19 +137,21 @@ def test_gradient_accumulation_with_clipping(monkeypatch):
 def test_fsdp2_fully_shard_in_configure_model(monkeypatch, winner, mixed):
     """Lightning's ``ModelParallelStrategy`` (one process): the search checks each candidate against eager on FSDP2's
     sharded parameters and gradients (the checks once failed every candidate there, and the network's own under a
-    mixed-precision policy, whose hooks cast its inputs), and the plan trains as eager."""
+    mixed-precision policy, whose hooks cast its inputs), and the plan trains as eager, its optimizer's update
+    replayed (capture faked) on the gradients' shards (copying the sharded gradients whole once crashed the fit)."""
     pin_search(monkeypatch, winner)
     make = lambda: ShardedTask(mixed)
     try:
         eager = fit(make, strategy=ModelParallelStrategy())
         cb = fuse()
-        fused = fit(make, [cb], strategy=ModelParallelStrategy())
+        fused = fit(make, [cb, FakeOptimizerCapture()], strategy=ModelParallelStrategy())
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     measured = [trial.name for trial in cb.decision.trials if trial.ms is not None]
     assert measured == ["eager", "regions", *(["compile"] if winner == "compile" else [])], cb.decision.lines()
     assert_plan_ran(cb, winner)
+    assert cb.fit.optimizer_graphs[0].replays > 0
     assert_same_training(fused, eager)
 
 

@@ -190,11 +190,15 @@ class ClassifierTask(pl.LightningModule):
 
 class ShardedTask(ClassifierTask):
     """FSDP2 as Lightning's ``ModelParallelStrategy`` asks for it: ``fully_shard`` on each block, then the network,
-    in ``configure_model``; ``mixed``: in bf16 under FSDP2's mixed-precision policy (its hooks cast the inputs)."""
+    in ``configure_model``; ``mixed``: in bf16 under FSDP2's mixed-precision policy (its hooks cast the inputs).
+    AdamW (torch's default implementation), whose update FuseCallback may replay from a graph."""
 
     def __init__(self, mixed: bool = False) -> None:
         super().__init__(BlockNet())
         self.mixed = mixed
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -438,6 +442,18 @@ class HFTask(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset, batch_size=BATCH)
+
+
+class ShardedHFTask(HFTask):
+    """An HF GPT-2 sharded with FSDP2 as Lightning's ``ModelParallelStrategy`` asks for it: ``fully_shard`` on each
+    transformer block, then the model, in ``configure_model``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.model.transformer.h:
+            fully_shard(block)
+        fully_shard(self.model)
 
 
 def lora_gpt2():
