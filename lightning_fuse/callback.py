@@ -223,6 +223,7 @@ class FuseCallback(Callback):
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.fit.timer is not None:
             self.fit.timer.interrupt()  # the training step before validation would otherwise include it
+            self.fit.pace.interrupt()
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

@@ -150,7 +150,10 @@ class FitState:
             if self.step_kind != SKIPPED:
                 self.items.append(items)
         self.step_compiles, self.step_recordings = self.tracker.total_compiles, self.tracker.recordings
-        # the running guard times the plan's steps, eager's timed reference steps and the eager steps before the plan
+        # the running guard times the plan's steps, eager's reference chunks and the eager steps before the plan
+        if not eager and self.pace.in_eager_run:  # a chunk's steps end where the device has run them; this step's
+            self.timer.wait_for_device()  # mark is queued already, so the wait lengthens no timed eager step
+            self.pace.close_run()
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
         graph = plan_graph(self.plan)
         if graph is not None:
@@ -201,6 +204,8 @@ class FitState:
             self.gpu.profile.step_end()
         self.close_step_context()
         self.steps += 1
+        if self.plan is None:  # the running guard's eager step before the plan ends where its device work does
+            self.timer.wait_for_device()
         return self.pace.end(judged=not recorded_now)
 
     def close_step_context(self) -> None:

@@ -3,7 +3,8 @@
 The plan is chosen on a few calls of one recorded input; a plan that then crawls in training (it recompiles at
 every new sequence length, say) would otherwise run a whole epoch before the epoch-end check drops it.
 :class:`RunningGuard` times, on the host clock, each step from its start to its end: the plan's steps (a step that
-compiled counts: a recompile at every new length is the crawl), and the eager reference's timed steps. A step in
+compiled counts: a recompile at every new length is the crawl), and eager's, each run of them (a reference chunk,
+lead-in included) up to where the device has run it (:meth:`RunningGuard.close_run`). A step in
 which torch's cudagraph trees recorded a graph counts as a step of its window, but its time is left out: the sizes
 recorded are capped per fit (:data:`~lightning_fuse.compiler.TREE_SIZES`), so recording is a one-time cost, and
 the recordings of a few lengths met close together would otherwise make a window of a plan that then replays at 5x
@@ -12,15 +13,23 @@ which :func:`window_speedup` compares with eager's median step; the caller drops
 Windows are counted in steps since the plan was installed, the same on every rank, so a decision shared between
 ranks (one collective) falls on the same step everywhere.
 
+Why eager's steps are timed to the device's end: the plan's steps keep the GPU's queue full, so that on the host
+clock they read what the device takes; an eager step after an idle device (the fit's first steps; a reference
+chunk, which starts on one) reads what its host work takes until the queue fills. Under FSDP2 on 2x H200 (GPT-2,
+32 a rank), eager's first steps so read about 0.85 of a compiled plan's step that ran at 0.7 of eager's, and the
+guard dropped that plan (``benchmarks/RESULTS.md``).
+
 Example::
 
-    >>> ticks = iter([tick / 8 for tick in range(100)])  # a fake clock: each step takes 125 ms
+    >>> ticks = iter([tick / 8 for tick in range(100)])  # a fake clock: each reading 125 ms later
     >>> guard = RunningGuard(window=3, clock=lambda: next(ticks))
     >>> closed = []
-    >>> for kind in (EAGER, PLAN, PLAN, PLAN):
+    >>> for kind in (LEAD_IN, EAGER, PLAN, PLAN):
+    ...     if kind == PLAN:
+    ...         guard.close_run()  # the caller waited for the device to run the eager steps
     ...     guard.begin(kind); closed.append(guard.end())
-    >>> closed, guard.eager_ms()
-    ([None, None, [125.0, 125.0], None], 125.0)
+    >>> closed, guard.eager_ms()  # the run: 4 readings apart over 2 steps
+    ([None, None, [125.0], [125.0]], 250.0)
     >>> window_speedup([25.0, 30.0, 35.0], eager_ms=15.0)
     0.5
 """
@@ -32,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from lightning_fuse.timing import EAGER
+from lightning_fuse.timing import EAGER, LEAD_IN
 
 GUARD_WINDOW = 30
 """Steps in one window of the running guard: long enough that a median shrugs off a few compiling or
@@ -40,9 +49,13 @@ capturing steps, short enough that a crawling plan (3 s a step where eager takes
 PLAN = "plan"
 """A step that runs the plan (the eager reference's timed steps are :data:`~lightning_fuse.timing.EAGER`)."""
 BEFORE = "before"
-"""An eager step before the plan is installed (the first steps, which the plan search waits for)."""
+"""An eager step before the plan is installed (the first steps, which the plan search waits for); the caller ends
+each where its device work ends (:meth:`~lightning_fuse.timing.StepTimer.wait_for_device`)."""
+EAGER_RUNS = 4
+"""The guard's most recent runs of eager reference steps (chunks) kept: eager's step is the median of their mean
+steps."""
 EAGER_SAMPLES = 20
-"""The guard's most recent eager reference steps kept for eager's median (four of the reference's chunks)."""
+"""The most recent eager steps before the plan kept for their median."""
 
 
 class RunningGuard:
@@ -65,19 +78,30 @@ class RunningGuard:
         self.window = GUARD_WINDOW if window is None else window
         self._clock = clock
         self._plan_ms: list[float] = []
-        self._eager_ms: deque[float] = deque(maxlen=EAGER_SAMPLES)
+        self._eager_ms: deque[float] = deque(maxlen=EAGER_RUNS)  # mean steps of the runs of eager steps
         self._before_ms: deque[float] = deque(maxlen=EAGER_SAMPLES)
         self._steps = 0
         self._open: tuple[str | None, float] | None = None  # the running step's kind and start
+        self._run: tuple[float, int] | None = None  # the open run of eager steps: its start and steps so far
+
+    @property
+    def in_eager_run(self) -> bool:
+        """Whether a run of eager reference steps began and was not closed (:meth:`close_run`)."""
+        return self._run is not None
 
     def begin(self, kind: str | None) -> None:
-        """A step starts: ``PLAN`` (it runs the plan), ``EAGER`` (a timed reference step), ``BEFORE`` (an eager
-        step before the plan, outside every window) or ``None`` (not timed)."""
-        self._open = (kind, self._clock())
+        """A step starts: ``PLAN`` (it runs the plan), ``EAGER`` or ``LEAD_IN`` (a reference step, timed or its
+        chunk's first; either opens a run of eager steps), ``BEFORE`` (an eager step before the plan, outside every
+        window) or ``None`` (not timed; inside a run, one of its steps)."""
+        now = self._clock()
+        if kind in (EAGER, LEAD_IN) and self._run is None:
+            self._run = (now, 0)
+        self._open = (kind, now)
 
     def end(self, judged: bool = True) -> list[float] | None:
         """The step ended; at a window's end, that window's plan step times (ms), and the next window begins.
-        ``judged=False``: the step counts in its window, but its time is left out (it recorded a CUDA graph)."""
+        ``judged=False``: the step counts in its window, but its time is left out (it recorded a CUDA graph; a run
+        of eager steps holding one is left out whole)."""
         if self._open is None:
             return None
         kind, start = self._open
@@ -88,16 +112,28 @@ class RunningGuard:
             return None  # windows count the steps since the plan was installed
         if kind == PLAN and judged:
             self._plan_ms.append(ms)
-        elif kind == EAGER and judged:
-            self._eager_ms.append(ms)
+        if self._run is not None:
+            self._run = (self._run[0], self._run[1] + 1) if judged else None
         self._steps += 1
         if self._steps % self.window:
             return None
         closed, self._plan_ms = self._plan_ms, []
         return closed
 
+    def close_run(self) -> None:
+        """End the open run of eager steps where the device has run them all (call it after waiting for the
+        device, before the next plan step begins): its mean step joins eager's."""
+        if self._run is not None and self._run[1]:
+            start, steps = self._run
+            self._eager_ms.append((self._clock() - start) * 1e3 / steps)
+        self._run = None
+
+    def interrupt(self) -> None:
+        """Something that is not training runs (validation): an open run of eager steps is left out."""
+        self._run = None
+
     def eager_ms(self) -> float | None:
-        """The median of the recent eager reference steps the guard timed (``None``: none yet)."""
+        """The median of the recent runs' mean eager steps (``None``: no run closed yet)."""
         return statistics.median(self._eager_ms) if self._eager_ms else None
 
     def before_ms(self) -> float | None:

@@ -91,7 +91,9 @@ class StepTimer:
         work queued behind it, and an eager step right after it would be timed as the queue drains, faster than
         eager runs on its own: on an H100 a GPT's first eager steps after a graph replay read 4.9 ms against eager's
         11 ms (``benchmarks/RESULTS.md``). Call it before the first of timed eager steps that follow plan steps: at a
-        reference chunk's untimed first step, and where the optimizer graph's trial turns to an eager block.
+        reference chunk's untimed first step, and where the optimizer graph's trial turns to an eager block. The
+        running guard calls it too, after a step's mark, to time eager steps to their device's end
+        (:mod:`~lightning_fuse.running_guard`).
         """
         if self._cuda:
             torch.cuda.synchronize()

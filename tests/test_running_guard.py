@@ -19,6 +19,7 @@ from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
 from lightning_fuse.running_guard import BEFORE, EAGER, PLAN, RunningGuard, window_speedup
 from lightning_fuse.search import TIMED_CALLS, PlanSearch
+from lightning_fuse.timing import StepTimer
 from tests.toy import ToyTask, trainer
 
 CUDA = torch.device("cuda", 0)
@@ -128,11 +129,14 @@ def test_a_window_closes_every_window_steps_and_eager_steps_are_kept_apart():
     guard = RunningGuard(window=4, clock=lambda: next(ticks) / 1e3 * 2)  # every step lasts 2 ms
     closed = []
     for kind in (PLAN, EAGER, None, PLAN, PLAN, PLAN, PLAN, PLAN):
+        if kind == PLAN and guard.in_eager_run:
+            guard.close_run()  # where the caller waited for the device to run the eager steps
         guard.begin(kind)
         closed.append(guard.end())
     assert [c is not None for c in closed] == [False, False, False, True] * 2
     assert closed[3] == pytest.approx([2.0, 2.0]) and len(closed[7]) == 4
-    assert guard.eager_ms() == pytest.approx(2.0)
+    assert guard.eager_ms() == pytest.approx(4.0), "the run: from its first step's start to its close, 2 steps"
+    assert not guard.in_eager_run
     assert window_speedup([4.0, 5.0, 6.0], eager_ms=2.5) == pytest.approx(0.5)
     assert window_speedup([4.0], eager_ms=2.5, least=2) is None and window_speedup([4.0], eager_ms=None) is None
 
@@ -159,7 +163,8 @@ def test_a_step_that_recorded_a_graph_counts_in_its_window_without_its_time():
         now[0] += ms / 1e3
         closed.append(guard.end(judged=not recorded))
     assert closed == [None, None, None, pytest.approx([5.0, 5.0])], "4 steps make the window, 2 are judged"
-    assert guard.eager_ms() is None
+    guard.close_run()
+    assert guard.eager_ms() is None, "a run of eager steps holding a recording is left out whole"
 
 
 class PlanPerStep(Callback):
@@ -257,6 +262,38 @@ def test_graph_recordings_bunched_in_one_window_do_not_drop_a_plan_that_is_fast_
     t.fit(ToyTask(samples=16 * 70))
     assert plan_calls[0] == recordings and fuse.tracker.recordings == recordings
     assert fuse.decision.winner == "regions" and fuse.fit.dropped is None and fuse.plan.name == "regions"
+
+
+class DeviceWork(Callback):
+    """Placed before FuseCallback: each eager step queues 50 ms of device work, which the guard's clock sees only
+    where the host waits for the device (``StepTimer.wait_for_device``); each plan step takes 20 ms on it, as a
+    plan that keeps the GPU's queue full does on the host clock."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.queued, self.fuse = clock, 0.0, None
+
+    def wait_for_device(self) -> None:
+        self.clock.now, self.queued = self.clock.now + self.queued, 0.0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        fit = self.fuse.fit
+        if fit.plan is None or fit.schedule.is_eager(fit.steps):
+            self.queued += 0.05
+        else:
+            self.clock.now += 0.02
+
+
+def test_eager_steps_are_timed_to_where_the_device_ran_them(monkeypatch):
+    """On the host clock alone, eager steps after an idle device read as their host work (a few ms here) and the
+    2.5x plan as slower than eager: it was dropped so under FSDP2 on 2x H200. The steps before the plan and each
+    reference chunk are timed up to where the device has run them."""
+    device = DeviceWork(regions_win_on_a_fake_clock(monkeypatch))
+    monkeypatch.setattr(StepTimer, "wait_for_device", lambda self: device.wait_for_device())
+    fuse = device.fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    trainer([device, fuse], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 90))
+    pace = fuse.fit.pace
+    assert pace.before_ms() >= 50.0 and pace.eager_ms() >= 50.0, (pace.before_ms(), pace.eager_ms())
+    assert fuse.decision.winner == "regions" and "over its last" not in (fuse.fit.dropped or ""), fuse.fit.dropped
 
 
 class SlowOptimizer(Callback):
