@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
@@ -259,9 +260,11 @@ class FuseCallback(Callback):
     @staticmethod
     def _show_speedup(trainer: pl.Trainer, pl_module: pl.LightningModule, speedup: float | None) -> None:
         """The progress bar's ``fuse/speedup`` (rank zero's, :meth:`_rank_zeros`): with several processes Lightning
-        reduces an epoch-level value across ranks, a collective, and warns when it is not asked to."""
+        reduces an epoch-level value across ranks, a collective, and warns when it is not asked to (wherever a process
+        group exists, one process's included)."""
         if speedup is not None:
-            pl_module.log("fuse/speedup", speedup, prog_bar=True, logger=False, sync_dist=trainer.world_size > 1)
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            pl_module.log("fuse/speedup", speedup, prog_bar=True, logger=False, sync_dist=distributed)
 
     def _drop_plan_if_slower(self, epoch: int, speedup: float | None, high: float | None) -> None:
         """With ``mode="auto"``, a plan the epoch measured slower than eager is dropped: below the margin, or with

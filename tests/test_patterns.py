@@ -134,11 +134,12 @@ def test_gradient_accumulation_with_clipping(monkeypatch):
 # ---------------------------------------------------------------------------------------------- sharded parameters
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="FSDP2 needs torch.distributed")
 @pytest.mark.parametrize(("winner", "mixed"), [("regions", False), ("compile", True)], ids=["regions", "compile-bf16"])
-def test_fsdp2_fully_shard_in_configure_model(monkeypatch, winner, mixed):
+def test_fsdp2_fully_shard_in_configure_model(monkeypatch, recwarn, winner, mixed):
     """Lightning's ``ModelParallelStrategy`` (one process): the search checks each candidate against eager on FSDP2's
     sharded parameters and gradients (the checks once failed every candidate there, and the network's own under a
     mixed-precision policy, whose hooks cast its inputs), and the plan trains as eager, its optimizer's update
-    replayed (capture faked) on the gradients' shards (copying the sharded gradients whole once crashed the fit)."""
+    replayed (capture faked) on the gradients' shards (copying the sharded gradients whole once crashed the fit).
+    Its progress-bar speedup is reduced over the process group, so Lightning does not warn that it is not."""
     pin_search(monkeypatch, winner)
     make = lambda: ShardedTask(mixed)
     try:
@@ -152,6 +153,7 @@ def test_fsdp2_fully_shard_in_configure_model(monkeypatch, winner, mixed):
     assert measured == ["eager", "regions", *(["compile"] if winner == "compile" else [])], cb.decision.lines()
     assert_plan_ran(cb, winner)
     assert cb.fit.optimizer_graphs[0].replays > 0
+    assert not [w for w in recwarn if "fuse/speedup" in str(w.message)]
     assert_same_training(fused, eager)
 
 
