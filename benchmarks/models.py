@@ -369,8 +369,9 @@ def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None =
 
 
 def fuse_info(callbacks: list) -> dict[str, Any]:
-    """What the FuseCallback among ``callbacks`` did (``None``s without one): ``plan``, ``recompiles``, ``graphs``
-    (the CUDA graphs of our own it captured), ``history``,
+    """What the FuseCallback among ``callbacks`` did (``None``s without one): ``plan``, ``recompiles`` (and
+    ``most_recompiles``, of one region), ``compile_s`` (every compile of the fit, the search's included),
+    ``graphs`` (the CUDA graphs of our own it captured), ``history``,
     ``ran`` (the summary's line: the plan, its graph captured with its replays or why not, the graphs torch's
     cudagraph trees recorded, fallbacks) and
     ``search`` (the decision, one line per candidate)."""
@@ -380,7 +381,10 @@ def fuse_info(callbacks: list) -> dict[str, Any]:
     decision = getattr(fuse, "decision", None)
     name = None if plan is None else getattr(plan, "name", None) or plan.describe()
     graph = getattr(plan, "graph", None)
+    regions = getattr(tracker, "regions", {})
     return {"plan": name, "recompiles": getattr(tracker, "total_recompiles", None),
+            "most_recompiles": max((r.recompiles for r in regions.values()), default=0) if tracker else None,
+            "compile_s": getattr(tracker, "total_s", None),
             "graphs": graph.graphs if graph is not None else None,
             "history": getattr(fuse, "history", []), "ran": fuse.fit.what_ran() if fuse is not None else None,
             "search": decision.lines() if decision is not None else None}  # fmt: skip

@@ -14,13 +14,19 @@ them is torch's cudagraph trees) for ``accumulate_clip``, and the recipe ``gpt``
 Varying lengths are timed past their one-time costs, as the second line does: 8 untimed passes over the 16 lengths
 hold every variant's compiles and graph recordings (torch's trees record a length at its second call, FuseCallback's
 at its third, after its plan search), which inside a 100-step fit would sit in the timed steps of one variant only.
+
+``--checks`` prints the issue's checks over a results file instead (:func:`checks`):
+
+    python benchmarks/patterns.py --checks benchmarks/results/patterns.jsonl
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -29,8 +35,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles", "plan",
-          "graphs", "ran", "error")
+FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
+          "most_recompiles", "compile_s", "plan", "graphs", "ran", "error")
 HF, VISION = ("llama",), ("resnet50",)
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
@@ -130,9 +136,18 @@ def moe(task: models.Task, spec: dict) -> None:
         block.mlp = MoE(block.ln2.normalized_shape[0])
 
 
+BUCKETS = (64, 128, 256, 512)
+"""``pad_buckets`` of the ``varying_length_buckets`` pattern (the lengths of ``varying_length(4)``, padded)."""
+LOSS_RTOL = LOSS_ATOL = 5e-2
+"""How far a final loss may lie from eager's of the same steps (``math.isclose``): bf16's tolerance, as the tests
+hold bf16 fits to eager's (``tests/user_models.BF16``); the absolute part for fits that memorise to near 0."""
+MOST_RECOMPILES = 2
+"""Varying lengths without buckets: at most this many recompiles of any one region (the issue's check)."""
+
+
 def buckets(task: models.Task, spec: dict) -> dict:
     varying_length(4)(task, spec)
-    return {"fuse": {"pad_buckets": (8, 16) if spec["smoke"] else (64, 128, 256, 512)}}
+    return {"fuse": {"pad_buckets": (8, 16) if spec["smoke"] else BUCKETS}}
 
 
 def clipped(task: models.Task, spec: dict) -> None:
@@ -184,11 +199,87 @@ def measure(spec: dict) -> dict:
     return {**result, **models.fuse_info(callbacks)}
 
 
+def checks(records: list[dict]) -> str:
+    """The real-models issue's pattern checks, as Markdown, over each model, pattern and batch's newest rows
+    (``harness.newest_rows``): ``fuse``'s step over eager's (at most 1), its final loss against eager's of as many
+    steps (:data:`LOSS_RTOL`), and for varying lengths its recompiles of one region (at most
+    :data:`MOST_RECOMPILES`; a record before ``most_recompiles`` gives the fit's total, an upper bound, starred), the
+    CUDA graphs with buckets (at most one a bucket) and its fit's wall time against eager's plus fuse's compiling
+    (``compile_s``); the bucketed pattern is held to the unbucketed one's eager fit, on the same batches. A check
+    whose sides were not both measured is left out; the fits that crashed are named.
+
+    Example::
+
+        >>> rows = [{"model": "m", "pattern": "varying_length", "batch_size": 8, "variant": "eager", "steps": 100,
+        ...          "step_ms": 30.0, "final_loss": 2.0, "wall_s": 20.0},
+        ...         {"model": "m", "pattern": "varying_length", "batch_size": 8, "variant": "fuse", "steps": 100,
+        ...          "step_ms": 9.0, "final_loss": 2.05, "wall_s": 50.0, "compile_s": 40.0, "most_recompiles": 1,
+        ...          "plan": "regions"}]
+        >>> print(checks(rows).splitlines()[2])
+        | m | varying_length | 8 | 30.00 | 9.00 | regions | 0.30 | 2.05 / 2 | 1 | - | 50 / 60 |
+        >>> print(checks(rows).splitlines()[-1])
+        1 cases, 0 crashed fits; fuse <= eager in 1 of 1; final loss within bf16's tolerance of eager's in 1 of 1; \
+varying lengths: <= 2 recompiles of a region in 1 of 1, <= one graph a bucket in 0 of 0, wall <= eager's + compiling \
+in 1 of 1.
+    """
+    cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "pattern", "batch_size"))
+    judged = [_pattern_checks(case, variants, cases) for case, variants in sorted(cases.items(), key=str)]
+    judged = [case for case in judged if case is not None]
+    passed = {name: [case[name] for case in judged if case[name] is not None]
+              for name in ("faster", "loss", "recompiles", "graphs", "wall")}  # fmt: skip
+    count = lambda name: f"{sum(passed[name])} of {len(passed[name])}"
+    named = f" ({', '.join(crashes)})" if crashes else ""
+    return "\n".join([
+        ("| model | pattern | batch | eager ms | fuse ms | plan | over eager | loss, fuse / eager | most recompiles | graphs | "
+         "wall s, fuse / eager + compiling |"), "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
+        *(case["line"] for case in judged), "",
+        (f"{len(judged)} cases, {len(crashes)} crashed fits{named}; fuse <= eager in {count('faster')}; final loss "
+         f"within bf16's tolerance of eager's in {count('loss')}; varying lengths: <= {MOST_RECOMPILES} recompiles of a "
+         f"region in {count('recompiles')}, <= one graph a bucket in {count('graphs')}, wall <= eager's + compiling "
+         f"in {count('wall')}."),
+    ])  # fmt: skip
+
+
+def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, dict[str, dict]]) -> dict | None:
+    """One case's checks (``None`` where a side is missing) and its table line; ``None`` without fuse."""
+    model, pattern, batch = case
+    fuse = variants.get("fuse")
+    if fuse is None:
+        return None
+    bucketed = pattern == "varying_length_buckets"
+    eager = cases.get((model, "varying_length", batch), {}).get("eager") if bucketed else variants.get("eager")
+    varying = pattern.startswith("varying_length")
+    over = fuse["step_ms"] / eager["step_ms"] if eager else None
+    same_fit = eager if eager and eager.get("steps") == fuse.get("steps") else {}  # losses, wall: as many steps
+    losses = (fuse.get("final_loss"), same_fit.get("final_loss"))
+    losses = losses if None not in losses else None
+    most = fuse.get("most_recompiles", fuse.get("recompiles"))
+    star = "" if "most_recompiles" in fuse else "*"
+    sides = (fuse.get("wall_s"), same_fit.get("wall_s"), fuse.get("compile_s"))
+    wall = (sides[0], sides[1] + sides[2]) if None not in sides else None
+    found = {"faster": over <= 1.0 if over is not None else None,
+             "loss": math.isclose(*losses, rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL) if losses else None,
+             "recompiles": most <= MOST_RECOMPILES if varying and not bucketed and most is not None else None,
+             "graphs": fuse.get("graphs", 0) <= len(BUCKETS) if bucketed and fuse.get("graphs") is not None else None,
+             "wall": wall[0] <= wall[1] if varying and wall else None}  # fmt: skip
+    cells = [model, pattern, batch, f"{eager['step_ms']:.2f}" if eager else "-", f"{fuse['step_ms']:.2f}",
+             fuse.get("plan") or "-", f"{over:.2f}" if over is not None else "-",
+             f"{losses[0]:.3g} / {losses[1]:.3g}" if losses else "-",
+             f"{most}{star}" if varying and most is not None else "-",
+             fuse.get("graphs") if bucketed and fuse.get("graphs") is not None else "-",
+             f"{wall[0]:.0f} / {wall[1]:.0f}" if varying and wall else "-"]  # fmt: skip
+    return {**found, "line": "| " + " | ".join(map(str, cells)) + " |"}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "patterns.jsonl", models="all", batches="small", variants=ALL_VARIANTS, steps=100,
                        warmup=30)  # fmt: skip
     p.add_argument("--patterns", default="all", help=f"a comma list of {', '.join(PATTERNS)}, or all")
+    p.add_argument("--checks", type=Path, help="print the issue's checks over these records (checks), and stop")
     args = p.parse_args(argv)
+    if args.checks is not None:
+        print(checks(harness.read_records(args.checks)))
+        return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     wanted = harness.split(args.variants, ALL_VARIANTS)
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,

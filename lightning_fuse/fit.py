@@ -221,8 +221,9 @@ class FitState:
         self.setting.policy.dynamic_sizes = dims.apply(batch, partial) | mark_dims(batch, self.varying_dims)
 
     def eager_step_ms(self) -> float | None:
-        """Eager's whole step for the running guard: its own timed reference steps, else the reference pool's
-        median (earlier epochs), else the eager steps before the plan. Never the search's eager trial: it times
+        """Eager's whole step for the running guard: the reference chunks it timed, else the reference pool's
+        median (earlier epochs), else the eager steps before the plan (each timed to its device's end,
+        :mod:`~lightning_fuse.running_guard`). Never the search's eager trial: it times
         the forward and backward alone, and beside a step whose optimizer takes long every plan would look slow."""
         return self.pace.eager_ms() or self.pool.median() or self.pace.before_ms()
 

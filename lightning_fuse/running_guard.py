@@ -29,7 +29,7 @@ Example::
     ...         guard.close_run()  # the caller waited for the device to run the eager steps
     ...     guard.begin(kind); closed.append(guard.end())
     >>> closed, guard.eager_ms()  # the run: 4 readings apart over 2 steps
-    ([None, None, [125.0], [125.0]], 250.0)
+    ([None, None, [125.0], None], 250.0)
     >>> window_speedup([25.0, 30.0, 35.0], eager_ms=15.0)
     0.5
 """

@@ -212,7 +212,9 @@ def test_each_reference_chunk_starts_on_a_device_with_nothing_queued(monkeypatch
     monkeypatch.setattr(StepTimer, "wait_for_device", lambda timer: waits.append(fuse.fit.steps))
     fit([fuse], epochs=1, samples=640)  # 40 steps: 3 eager, then three moments of a lead-in + 1 eager step
     lead_ins = [step for step in range(fuse.fit.steps) if fuse.fit.schedule.is_lead_in(step)]
-    assert waits == lead_ins and len(lead_ins) == 3
+    before = list(range(1, fuse.fit.activation_step + 1))  # the running guard's: each step before the plan, at its
+    closes = [lead_in + 2 for lead_in in lead_ins]  # end, and each chunk, at the next plan step's start
+    assert waits == sorted(before + lead_ins + closes) and len(lead_ins) == 3
 
 
 def slow_backend(gm, example_inputs):
