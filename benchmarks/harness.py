@@ -412,6 +412,47 @@ def measured_cases(rows: Iterable[dict], fields: Sequence[str]) -> tuple[dict[tu
     return cases, crashes
 
 
+def checks_report(header: str, separator: str, judged: Sequence[dict], crashes: Sequence[str], verdicts: str) -> str:
+    """An issue's checks as Markdown: a table (``header``, ``separator`` and each judged case's ``line``), then one
+    line with how many cases, the crashed fits named (:func:`measured_cases`), and ``verdicts``.
+
+    Example::
+
+        >>> print(checks_report("| m |", "|---|", [{"line": "| a |"}], ["b fuse"], "fuse <= eager in 1 of 1."))
+        | m |
+        |---|
+        | a |
+        <BLANKLINE>
+        1 cases, 1 crashed fits (b fuse); fuse <= eager in 1 of 1.
+    """
+    named = f" ({', '.join(crashes)})" if crashes else ""
+    summary = f"{len(judged)} cases, {len(crashes)} crashed fits{named}; {verdicts}"
+    return "\n".join([header, separator, *(case["line"] for case in judged), "", summary])
+
+
+def judged_values(judged: Sequence[dict], names: Sequence[str]) -> dict[str, list]:
+    """Each check's values (by name) over the cases that judged it: a case's ``None`` is a check it could not make.
+
+    Example::
+
+        >>> judged_values([{"a": 1.0, "b": None}, {"a": 2.0, "b": 3.0}], ["a", "b"])
+        {'a': [1.0, 2.0], 'b': [3.0]}
+    """
+    return {name: [case[name] for case in judged if case[name] is not None] for name in names}
+
+
+def passing(values: Sequence[Any], limit: float | None = None) -> str:
+    """How many of ``values`` pass, as ``"k of n"``: those at most ``limit``, or (no limit) those true.
+
+    Example::
+
+        >>> passing([0.9, 1.1], limit=1.0), passing([True, False, True])
+        ('1 of 2', '2 of 3')
+    """
+    passed = [value <= limit for value in values] if limit is not None else [bool(value) for value in values]
+    return f"{sum(passed)} of {len(passed)}"
+
+
 def crashed(record: dict) -> bool:
     """Whether ``record``'s job failed: an ``error`` that is not the budget's skip (:data:`BUDGET_SKIP`).
 

@@ -247,18 +247,14 @@ def checks(records: list[dict]) -> str:
     default_fits = [row for row in harness.newest_rows(records) if not row.get("seed") and _fit(row) == "random"]
     cases, crashes = harness.measured_cases(default_fits, ("model", "strategy", "batch_size"))
     judged = [_case_checks(case, variants) for case, variants in sorted(cases.items(), key=str) if "fuse" in variants]
-    over = {side: [case[side] for case in judged if case[side] is not None] for side in ("eager", "compile")}
+    over = harness.judged_values(judged, ("eager", "compile"))
     mixed = sum(case["mixed"] for case in judged)
-    named = f" ({', '.join(crashes)})" if crashes else ""
-    return "\n".join([
-        "| model | strategy | batch | eager ms | compile ms | fuse ms | plan | over eager | over compile | device |",
-        "|---|---|---:|---:|---:|---:|---|---:|---:|---|", *(case["line"] for case in judged), "",
-        (f"{len(judged)} cases, {len(crashes)} crashed fits{named}; fuse <= eager in "
-         f"{sum(r <= 1.0 for r in over['eager'])} of {len(over['eager'])}; <= compile in "
-         f"{sum(r <= 1.0 for r in over['compile'])} of {len(over['compile'])}, geometric mean "
-         f"{statistics.geometric_mean(over['compile']) if over['compile'] else float('nan'):.2f}"
-         + (f"; {mixed} cases with a side on another device, left out of that ratio." if mixed else ".")),
-    ])  # fmt: skip
+    verdicts = (f"fuse <= eager in {harness.passing(over['eager'], 1.0)}; <= compile in "
+                f"{harness.passing(over['compile'], 1.0)}, geometric mean "
+                f"{statistics.geometric_mean(over['compile']) if over['compile'] else float('nan'):.2f}"
+                + (f"; {mixed} cases with a side on another device, left out of that ratio." if mixed else "."))
+    header = "| model | strategy | batch | eager ms | compile ms | fuse ms | plan | over eager | over compile | device |"
+    return harness.checks_report(header, "|---|---|---:|---:|---:|---:|---|---:|---:|---|", judged, crashes, verdicts)
 
 
 def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:

@@ -225,19 +225,16 @@ in 1 of 1.
     cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "pattern", "batch_size"))
     judged = [_pattern_checks(case, variants, cases) for case, variants in sorted(cases.items(), key=str)]
     judged = [case for case in judged if case is not None]
-    passed = {name: [case[name] for case in judged if case[name] is not None]
-              for name in ("faster", "loss", "recompiles", "graphs", "wall")}  # fmt: skip
-    count = lambda name: f"{sum(passed[name])} of {len(passed[name])}"
-    named = f" ({', '.join(crashes)})" if crashes else ""
-    return "\n".join([
-        ("| model | pattern | batch | eager ms | fuse ms | plan | over eager | loss, fuse / eager | most recompiles | graphs | "
-         "wall s, fuse / eager + compiling |"), "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
-        *(case["line"] for case in judged), "",
-        (f"{len(judged)} cases, {len(crashes)} crashed fits{named}; fuse <= eager in {count('faster')}; final loss "
-         f"within bf16's tolerance of eager's in {count('loss')}; varying lengths: <= {MOST_RECOMPILES} recompiles of a "
-         f"region in {count('recompiles')}, <= one graph a bucket in {count('graphs')}, wall <= eager's + compiling "
-         f"in {count('wall')}."),
-    ])  # fmt: skip
+    passed = {name: harness.passing(flags) for name, flags in
+              harness.judged_values(judged, ("faster", "loss", "recompiles", "graphs", "wall")).items()}  # fmt: skip
+    verdicts = (f"fuse <= eager in {passed['faster']}; final loss within bf16's tolerance of eager's in "
+                f"{passed['loss']}; varying lengths: <= {MOST_RECOMPILES} recompiles of a region in "
+                f"{passed['recompiles']}, <= one graph a bucket in {passed['graphs']}, wall <= eager's + compiling in "
+                f"{passed['wall']}.")  # fmt: skip
+    header = ("| model | pattern | batch | eager ms | fuse ms | plan | over eager | loss, fuse / eager | most "
+              "recompiles | graphs | wall s, fuse / eager + compiling |")  # fmt: skip
+    return harness.checks_report(header, "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---|", judged, crashes,
+                                 verdicts)
 
 
 def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, dict[str, dict]]) -> dict | None:

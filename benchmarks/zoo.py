@@ -80,21 +80,16 @@ mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in
     cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "batch_size"))
     judged = [_case_checks(model, batch, variants) for (model, batch), variants in sorted(cases.items())]
     judged = [case for case in judged if case is not None]
-    ratios = {name: [case[name] for case in judged if case[name] is not None]
-              for name in ("over_eager", "over_best", "cold", "warm")}  # fmt: skip
+    ratios = harness.judged_values(judged, ("over_eager", "over_best", "cold", "warm"))
     best = ratios["over_best"]
-    named = f" ({', '.join(crashes)})" if crashes else ""
-    return "\n".join([
-        ("| model | batch | eager ms | best one-liner ms | fuse ms | plan | over eager | over best | cold over "
-         "reduce-overhead's | warm over cold |"), "|---|---:|---:|---|---:|---|---:|---:|---:|---:|",
-        *(case["line"] for case in judged), "",
-        (f"{len(judged)} cases, {len(crashes)} crashed fits{named}; fuse <= 1.03x eager in "
-         f"{sum(r <= 1.03 for r in ratios['over_eager'])} of {len(ratios['over_eager'])}; <= 1.05x the best "
-         f"one-liner in {sum(r <= 1.05 for r in best)} of {len(best)}, geometric mean "
-         f"{statistics.geometric_mean(best) if best else float('nan'):.2f}; cold setup <= 1.5x reduce-overhead's "
-         f"in {sum(r <= 1.5 for r in ratios['cold'])} of {len(ratios['cold'])}; warm <= 0.25x cold in "
-         f"{sum(r <= 0.25 for r in ratios['warm'])} of {len(ratios['warm'])}."),
-    ])  # fmt: skip
+    verdicts = (f"fuse <= 1.03x eager in {harness.passing(ratios['over_eager'], 1.03)}; <= 1.05x the best one-liner "
+                f"in {harness.passing(best, 1.05)}, geometric mean "
+                f"{statistics.geometric_mean(best) if best else float('nan'):.2f}; cold setup <= 1.5x "
+                f"reduce-overhead's in {harness.passing(ratios['cold'], 1.5)}; warm <= 0.25x cold in "
+                f"{harness.passing(ratios['warm'], 0.25)}.")  # fmt: skip
+    header = ("| model | batch | eager ms | best one-liner ms | fuse ms | plan | over eager | over best | cold over "
+              "reduce-overhead's | warm over cold |")  # fmt: skip
+    return harness.checks_report(header, "|---|---:|---:|---|---:|---|---:|---:|---:|---:|", judged, crashes, verdicts)
 
 
 def _case_checks(model: str, batch: int, variants: dict[str, dict]) -> dict | None:
