@@ -268,7 +268,7 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     assert telemetry.chunks_by_spin(readings, fit, steps=5) == [[4.0, 21.0]], "batch 10 has no chunk after it"
     if importlib.util.find_spec("scipy"):
         assert record["independent_low"] <= record["independent"] <= record["independent_high"]
-        if record["eager_ratio_dense"] is not None:
+        if len(record["dense_ms"]) >= 2:  # an interval needs two steps a side; a dropped plan may leave one
             assert record["eager_ratio_dense_low"] <= record["eager_ratio_dense"] <= record["eager_ratio_dense_high"]
     positions = record["eager_ratio_by_position"]
     assert positions is None or all(ratio > 0 for ratio in positions)
