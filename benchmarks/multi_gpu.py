@@ -253,7 +253,8 @@ def checks(records: list[dict]) -> str:
                 f"{harness.passing(over['compile'], 1.0)}, geometric mean "
                 f"{statistics.geometric_mean(over['compile']) if over['compile'] else float('nan'):.2f}"
                 + (f"; {mixed} cases with a side on another device, left out of that ratio." if mixed else "."))
-    header = "| model | strategy | batch | eager ms | compile ms | fuse ms | plan | over eager | over compile | device |"
+    header = ("| model | strategy | batch | eager ms | compile ms | fuse ms | plan | over eager | over compile | "
+              "device |")
     return harness.checks_report(header, "|---|---|---:|---:|---:|---:|---|---:|---:|---|", judged, crashes, verdicts)
 
 

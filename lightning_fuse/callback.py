@@ -263,8 +263,9 @@ class FuseCallback(Callback):
         reduces an epoch-level value across ranks, a collective, and warns when it is not asked to (wherever a process
         group exists, one process's included)."""
         if speedup is not None:
-            grouped = trainer.world_size > 1 or (torch.distributed.is_available() and torch.distributed.is_initialized())
-            pl_module.log("fuse/speedup", speedup, prog_bar=True, logger=False, sync_dist=grouped)
+            group = torch.distributed.is_available() and torch.distributed.is_initialized()
+            sync = trainer.world_size > 1 or group
+            pl_module.log("fuse/speedup", speedup, prog_bar=True, logger=False, sync_dist=sync)
 
     def _drop_plan_if_slower(self, epoch: int, speedup: float | None, high: float | None) -> None:
         """With ``mode="auto"``, a plan the epoch measured slower than eager is dropped: below the margin, or with

@@ -138,8 +138,7 @@ def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows
     assert capsys.readouterr().out == text + "\n"
 
 
-def test_pattern_checks_hold_fuse_to_eager_of_as_many_steps_and_buckets_to_the_unbucketed_eager(tmp_path: Path,
-                                                                                                capsys) -> None:  # fmt: skip
+def test_pattern_checks_hold_fuse_to_eager_of_as_many_steps_and_buckets_to_the_unbucketed_eager(tmp_path, capsys):
     import patterns
 
     def row(pattern: str, variant: str, **fields: Any) -> dict:

@@ -152,27 +152,35 @@ def test_a_schedule_that_cannot_run_says_what_to_do(tmp_path: Path) -> None:
 
 @pytest.mark.inductor
 def test_sweep_gives_each_job_its_own_logs(tmp_path: Path) -> None:
+    """A sweep of ``fuse=off`` and a preset of the user's own (as ``configs/fuse/off.yaml`` advises: ``auto`` with
+    a fast backend, from a folder on Hydra's search path)."""
+    presets, sweep_dir = tmp_path / "presets", tmp_path / "sweep"
+    (presets / "fuse").mkdir(parents=True)
+    preset = "defaults:\n  - auto\n  - _self_\n\nbackend: eager\ncache_dir: false\n"
+    (presets / "fuse" / "quick.yaml").write_text(preset)
     command = [
         sys.executable,
         "recipes/train.py",
         "-m",
-        "fuse=off,auto",
-        f"hydra.sweep.dir={tmp_path}",
+        "fuse=off,quick",
+        f"hydra.searchpath=[file://{presets}]",
+        f"hydra.sweep.dir={sweep_dir}",
         *TINY["gpt_mini"],
     ]
     run = subprocess.run(command + SHORT_RUN, cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     for job in ("0", "1"):
-        assert any((tmp_path / job / "tb").glob("events.out.tfevents.*")), f"job {job} wrote no TensorBoard events"
-        assert (tmp_path / job / "config.yaml").is_file()
-    assert OmegaConf.load(tmp_path / "0" / "config.yaml").fuse is None
-    assert OmegaConf.load(tmp_path / "1" / "config.yaml").fuse.targets == "auto"
+        assert any((sweep_dir / job / "tb").glob("events.out.tfevents.*")), f"job {job} wrote no TensorBoard events"
+        assert (sweep_dir / job / "config.yaml").is_file()
+    assert OmegaConf.load(sweep_dir / "0" / "config.yaml").fuse is None
+    quick = OmegaConf.load(sweep_dir / "1" / "config.yaml").fuse
+    assert quick.targets == "auto" and quick.backend == "eager", "auto's settings, then the preset's own"
     *_, job_1, sweep = _printed(run.stdout + run.stderr, "summary:")  # each job's own, then the sweep's
-    assert job_1[1:] == ["-m", "lightning_fuse", "report", str(tmp_path / "1")]
-    assert sweep[1:] == ["-m", "lightning_fuse", "report", str(tmp_path)]
+    assert job_1[1:] == ["-m", "lightning_fuse", "report", str(sweep_dir / "1")]
+    assert sweep[1:] == ["-m", "lightning_fuse", "report", str(sweep_dir)]
     report = subprocess.run(sweep, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
     assert report.returncode == 0, report.stderr[-2000:]
-    assert "fuse=auto model.net.n_layer=2" in report.stdout, "the job is named by its overrides"
+    assert "fuse=quick model.net.n_layer=2" in report.stdout, "the job is named by its overrides"
     assert "fuse=off" not in report.stdout, "fuse=off logs no fuse/ scalars: not a FuseCallback run"
 
 

@@ -7,7 +7,6 @@ end-of-fit ``fuse/summary`` text, and Hydra's ``.hydra/overrides.yaml`` beside t
 from __future__ import annotations
 
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from lightning_fuse.report import format_table, plot_runs, summarise
 from lightning_fuse.runs import NoRunsError, Run, load_runs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _write_run(directory: Path, scalars: dict[str, list[float]], texts: dict[str, str] | None = None) -> None:
@@ -209,13 +207,6 @@ def test_plot_of_flagged_runs(tmp_path: Path) -> None:
     ]
     plot_runs(runs, png)
     assert _png_size(png)[0] > 0
-
-
-def test_python_dash_m_runs_the_report(two_logdirs: tuple[Path, Path]) -> None:
-    command = [sys.executable, "-m", "lightning_fuse", "report", str(two_logdirs[0])]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "gpu_run" in run.stdout and "1.30x" in run.stdout
 
 
 def test_without_tensorboard_the_report_says_what_to_install(two_logdirs, monkeypatch, capsys) -> None:
