@@ -260,8 +260,7 @@ class CompiledRegion:
         if mismatch is None:
             return out
         self.fall_back(f"its compiled output differs from eager on the first batch ({mismatch})")
-        args, kwargs = self.policy.as_called(module, args, kwargs)
-        return compat.call_uncompiled(module, *args, **kwargs)
+        return compat.call_uncompiled(module, *args, **kwargs)  # its hooks make the call as they made it before
 
     def _eager_reference(self, args: tuple, kwargs: dict) -> Any:
         """The region's eager output for the call it just ran compiled: its forward alone, on the call as its hooks

@@ -125,6 +125,7 @@ class OptimizerGraph:
         self._warm = False  # one eager update in the capture's configuration ran
         self._params: list[nn.Parameter] = []
         self._grads: list[torch.Tensor] = []  # the graph's gradient buffers
+        self._grad_shards: list[torch.Tensor] | None = None  # under FSDP2, this rank's shards of them
         self._lrs: list[torch.Tensor] = []  # the graph's learning rates, one per group
         self._fused: list[bool] = []  # per group: the graph updates with torch's fused kernel (_fused_in_graph)
         self._lr_seen: list[float] = []
@@ -181,7 +182,7 @@ class OptimizerGraph:
 
     def release(self) -> None:
         """Drop the graph and its buffers; the optimizer's settings and step counters go back as the user had them."""
-        self._replay, self._grads, self._lrs, self._warm = None, [], [], False
+        self._replay, self._grads, self._grad_shards, self._lrs, self._warm = None, [], None, [], False
         self._counters.to_host()
 
     def as_saved_without(self, state: dict[str, Any]) -> None:
@@ -293,6 +294,7 @@ class OptimizerGraph:
         """Capture the clipping ``clip`` (as ``key`` says; ``None``: none) and the update (neither runs); ``False``
         when it failed, said once."""
         self._grads = [torch.zeros_like(p) for p in self._params]
+        self._grad_shards = sharding.local_shards(self._grads)
         step = self._previous_step
 
         def update() -> None:
@@ -362,9 +364,8 @@ class OptimizerGraph:
         """Copy the gradients into the graph's buffers, each rank's own shard of them under FSDP2 (a sharded tensor
         has no multi-tensor copy); ``False`` where that failed, said once, with nothing updated yet."""
         try:
-            with torch.no_grad():  # where a shard is the sharded tensor's own storage, not a view autograd tracks
-                compat.copy_tensors([sharding.local_shard(b) for b in self._grads],
-                                    [sharding.local_shard(g) for g in grads])  # fmt: skip
+            sources = grads if self._grad_shards is None else sharding.local_shards(grads)
+            compat.copy_tensors(self._grad_shards or self._grads, sources)
         except Exception as err:  # noqa: BLE001 - the optimizer's own update runs instead
             self._disable(f"its gradients could not be copied into the graph's buffers ({describe_error(err)})")
             return False

@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -37,3 +39,13 @@ def is_sharded(module: nn.Module) -> bool:
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a ``DTensor`` (an FSDP2 gradient), any other tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_shards(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """This rank's shards of ``tensors`` where any is a ``DTensor`` (the optimizer graph's gradient buffers under
+    FSDP2), ``None`` where none is. Taken under ``no_grad``, where a shard is the tensor's own storage, not a view
+    autograd tracks."""
+    if not any(isinstance(tensor, DTensor) for tensor in tensors):
+        return None
+    with torch.no_grad():
+        return [local_shard(tensor) for tensor in tensors]
