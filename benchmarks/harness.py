@@ -14,6 +14,7 @@ Render results as a Markdown table (each key's newest run counts; the median of 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import resource
@@ -26,7 +27,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -175,26 +176,38 @@ class Runner:
                              f"{longest:.0f} s"}
         argv = [sys.executable, str(ROOT / "benchmarks" / script), "--child", json.dumps(spec)]
         start = time.monotonic()
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True, start_new_session=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-        try:
-            stdout, stderr = proc.communicate(timeout=left)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the whole group: DDP ranks and compile workers too
-            stdout, stderr = proc.communicate()
-            proc.returncode = None
-        self.longest[kind] = max(longest, time.monotonic() - start)
         self.launched += 1
-        if self.logs:
-            self.logs.mkdir(parents=True, exist_ok=True)
-            (self.logs / f"{self.launched:03d}-{Path(script).stem}.log").write_text(f"{argv}\n{stdout}\n{stderr}")
-        records = [json.loads(line[len(RECORD) :]) for line in stdout.splitlines() if line.startswith(RECORD)]
+        with self._output(script) as out:  # written as the child runs: a killed call's log still holds its output
+            out.write(f"{argv}\n")
+            out.flush()
+            proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
+                                    start_new_session=True, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            try:
+                proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                stop(proc)
+                proc.returncode = None
+            out.seek(0)
+            lines = out.read().splitlines()
+        self.longest[kind] = max(longest, time.monotonic() - start)
+        records = [json.loads(line[len(RECORD) :]) for line in lines if line.startswith(RECORD)]
         if records:
             return records[-1]
         if proc.returncode is None:
             return {"error": f"killed: ran past the time budget ({left:.0f} s)"}
-        tail = (stderr.strip().splitlines() or ["no output"])[-1]
+        tail = ([line for line in lines[1:] if line.strip()] or ["no output"])[-1]
         return {"error": f"process died (exit code {proc.returncode}): {tail}"[:300]}
+
+    @contextmanager
+    def _output(self, script: str) -> Iterator[Any]:
+        """The file a child's stdout and stderr go to: in ``logs`` if kept, else a temporary one."""
+        if not self.logs:
+            with tempfile.TemporaryFile("w+") as f:
+                yield f
+            return
+        self.logs.mkdir(parents=True, exist_ok=True)
+        with (self.logs / f"{self.launched:03d}-{Path(script).stem}.log").open("w+") as f:
+            yield f
 
     def write(self, record: dict) -> dict:
         row = {**{field: record.get(field) for field in self.fields}, **self.env}
@@ -206,8 +219,20 @@ class Runner:
         return row
 
 
+def stop(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """Kill a child's whole process group (DDP ranks and compile workers too), after asking each process to print
+    where its threads stand (:func:`serve`'s ``SIGUSR1``): a fit that hung says where."""
+    os.killpg(proc.pid, signal.SIGUSR1)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+    with suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def serve(measure: Callable[[dict], dict], spec: str) -> int:
     """The child's side: run ``measure(spec)`` and print its record (rank 0 only, under DDP)."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # :func:`stop`'s request for the stacks
     torch.set_float32_matmul_precision("high")  # TF32 on, as a GPU user would have it
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # no variant drops to eager
     try:
