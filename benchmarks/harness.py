@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,10 @@ KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "e
         "data", "scheduler", "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
 ENV = ("device", "torch", "run_started", "command", "commit")
+STACKS_AT = "HARNESS_STACKS_AT"
+"""A child still running at this time (``time.time()``) prints its threads' stacks (:func:`serve`): the budget's
+kill comes :data:`STACKS_GRACE_S` later."""
+STACKS_GRACE_S = 3.0
 BUDGET_SKIP = "skipped:"
 """How the ``error`` of a job the budget left out begins (:meth:`Runner.launch`): no crash (:func:`crashed`)."""
 LOSS_WINDOW = 10
@@ -180,12 +184,14 @@ class Runner:
         with self._output(script) as out:  # written as the child runs: a killed call's log still holds its output
             out.write(f"{argv}\n")
             out.flush()
-            proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {})}, text=True,
+            stacks = {STACKS_AT: f"{time.time() + left - STACKS_GRACE_S:.1f}"}
+            proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {}), **stacks}, text=True,
                                     start_new_session=True, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
             try:
                 proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
-                stop(proc)
+                os.killpg(proc.pid, signal.SIGKILL)  # the whole group: DDP ranks and compile workers too
+                proc.wait()
                 proc.returncode = None
             out.seek(0)
             lines = out.read().splitlines()
@@ -219,20 +225,10 @@ class Runner:
         return row
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
-    """Kill a child's whole process group (DDP ranks and compile workers too), after asking each process to print
-    where its threads stand (:func:`serve`'s ``SIGUSR1``): a fit that hung says where."""
-    os.killpg(proc.pid, signal.SIGUSR1)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-    with suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def serve(measure: Callable[[dict], dict], spec: str) -> int:
     """The child's side: run ``measure(spec)`` and print its record (rank 0 only, under DDP)."""
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # :func:`stop`'s request for the stacks
+    if STACKS_AT in os.environ:  # a fit that hangs says where, before :class:`Runner` kills it
+        faulthandler.dump_traceback_later(max(float(os.environ[STACKS_AT]) - time.time(), 0.1))
     torch.set_float32_matmul_precision("high")  # TF32 on, as a GPU user would have it
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # no variant drops to eager
     try:
