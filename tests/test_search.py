@@ -321,6 +321,25 @@ def test_a_dropped_plan_is_not_the_next_runs_cached_decision(tmp_path, monkeypat
     assert not second.decision.cached  # measured again, not started with the plan the first run dropped
 
 
+def test_a_fit_tries_a_real_candidate_again_when_one_slow_call_hid_its_lead(tmp_path, monkeypatch):
+    """A compiled plan installed a second time after its uninstall, in a real fit: the second trial decides, and
+    the fit trains with it."""
+    timed: dict[str, int] = {}
+
+    def one_slow_call_first(self, plan, call):
+        call()
+        timed[plan.name] = timed.get(plan.name, 0) + 1
+        if plan.name == "eager":
+            return [10.0] * TIMED_CALLS
+        return [50.0, *[1.0] * (TIMED_CALLS - 1)] if timed[plan.name] == 1 else [1.0] * TIMED_CALLS
+
+    monkeypatch.setattr(PlanSearch, "_time", one_slow_call_first)
+    callback = fit(FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2))
+    assert timed == {"eager": 1, "regions": 2}, "compile is left out once regions, which it contains, is ahead"
+    assert callback.decision.winner == "regions" and callback.plan.name == "regions"
+    assert callback.decision.trials[1].ms == pytest.approx(1.0), "the second trial's calls"
+
+
 def test_explicit_settings_force_the_plan_without_a_search():
     callback = fit(FuseCallback(backend="eager", cache_dir=False, mode="default", eager_steps=2))
     assert callback.decision is None and callback.plan.name == "regions"
