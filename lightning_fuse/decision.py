@@ -42,6 +42,17 @@ class Trial:
     outcome: str = "not tried"
     """``chosen``, ``slower than <winner>``, ``not clearly faster than <baseline>: within its noise``,
     ``failed: <reason>`` or ``skipped: <reason>``."""
+    slowest: float | None = field(default=None, repr=False)
+    """Its slowest timed call, ms: one slow call can hide a lead from the search's test."""
+    tries: int = field(default=1, repr=False)
+    """How many times it was installed and timed (a second time where its lead was within the noise)."""
+
+    def timing(self) -> str:
+        """Its median, and where known its slowest call and its tries: ``   7.51 ms, slowest 52.10, 2 tries``."""
+        if self.ms is None:
+            return ""
+        slowest = f", slowest {self.slowest:.2f}" if self.slowest is not None else ""
+        return f"{self.ms:8.2f} ms{slowest}" + (f", {self.tries} tries" if self.tries > 1 else "")
 
 
 @dataclass
@@ -52,6 +63,10 @@ class Decision:
 
         >>> Decision("eager", [Trial("eager", 3.0, "chosen"), Trial("regions", None, "failed: boom")]).lines()
         ['eager       3.00 ms  chosen', 'regions              failed: boom']
+        >>> trials = [Trial("eager", 3.0, "slower than compile", 3.2), Trial("compile", 2.0, "chosen", 9.0, 2)]
+        >>> Decision("compile", trials).lines()
+        ['eager       3.00 ms, slowest 3.20           slower than compile', \
+'compile     2.00 ms, slowest 9.00, 2 tries  chosen']
     """
 
     winner: str
@@ -59,10 +74,11 @@ class Decision:
     cached: bool = False
 
     def lines(self) -> list[str]:
-        """One line per candidate, e.g. ``regions+graph   3.21 ms  chosen``."""
+        """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40  chosen``."""
         width = max(len(t.name) for t in self.trials)
-        times = [f"{t.ms:8.2f} ms" if t.ms is not None else " " * 11 for t in self.trials]
-        return [f"{t.name:<{width}} {ms}  {t.outcome}" for t, ms in zip(self.trials, times)]
+        times = [t.timing() for t in self.trials]
+        span = max(11, *map(len, times))
+        return [f"{t.name:<{width}} {ms:<{span}}  {t.outcome}" for t, ms in zip(self.trials, times)]
 
     def to_json(self) -> str:
         return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials]})

@@ -158,6 +158,7 @@ class PlanSearch:
         trial = self._trial(plan, call)
         if self._ahead_within_noise(trial):  # rank zero's times, so every rank agrees
             trial = self._trial(plan, call)  # one slow call (a graph recorded late) can turn the test: try again
+            trial.tries = 2
         return trial
 
     def _ahead_within_noise(self, trial: Trial) -> bool:
@@ -174,7 +175,8 @@ class PlanSearch:
         if not self.consensus.agree(failure is None):
             return Trial(plan.name, outcome=f"failed: {failure or 'it failed on another rank'}")
         self._times[plan.name] = self.consensus.share(times)
-        return Trial(plan.name, statistics.median(self._times[plan.name]))
+        times = self._times[plan.name]
+        return Trial(plan.name, statistics.median(times), slowest=max(times))
 
     def _measure(self, plan: Plan, call: Callable[[], None]) -> tuple[str | None, list[float] | None]:
         """Install the plan, check its first call, time it; its failure (or ``None``) and its timed calls' ms."""

@@ -338,6 +338,8 @@ def test_a_fit_tries_a_real_candidate_again_when_one_slow_call_hid_its_lead(tmp_
     assert timed == {"eager": 1, "regions": 2}, "compile is left out once regions, which it contains, is ahead"
     assert callback.decision.winner == "regions" and callback.plan.name == "regions"
     assert callback.decision.trials[1].ms == pytest.approx(1.0), "the second trial's calls"
+    assert callback.decision.lines()[1].startswith("regions     1.00 ms, slowest 1.00, 2 tries  chosen")
+    assert callback.decision.lines()[0].startswith("eager      10.00 ms, slowest 10.00")
 
 
 def test_explicit_settings_force_the_plan_without_a_search():
