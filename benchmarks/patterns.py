@@ -101,8 +101,9 @@ def varying_length(copies: int) -> Callable[[models.Task, dict], None]:
             lengths = torch.randint(longest // 2, longest + 1, (ids.shape[0],))
             lengths[0] = longest
             mask = (torch.arange(longest) < lengths[:, None]).long()
-            batches.append({"input_ids": ids[:, :longest], "attention_mask": mask,
-                            "labels": ids[:, :longest].masked_fill(mask == 0, -100)})  # fmt: skip
+            ids_cut = ids[:, :longest].contiguous()  # as a collator pads them: a slice's strides would recompile
+            labels = ids_cut.masked_fill(mask == 0, -100)
+            batches.append({"input_ids": ids_cut, "attention_mask": mask, "labels": labels})
         task.data.batches = batches
 
     return apply
