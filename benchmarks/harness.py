@@ -1,8 +1,9 @@
 """The one harness of the benchmarks: each variant in its own process, one step clock, JSON lines, Markdown tables.
 
 A script turns its CLI into jobs; a :class:`Runner` launches each job as ``python <script> --child '<spec>'``
-within the time budget (what does not fit is recorded as skipped, a process that runs past it is killed), and
-appends one JSON object a line to the results file, with ``device``, ``torch``, ``run_started`` and ``command``.
+within the time budget (what does not fit is recorded as skipped, a process that runs past it prints its stacks
+and is killed), and appends one JSON object a line to the results file, with ``device``, ``torch``,
+``run_started`` and ``command``; ``--logs`` keeps each child's output, written as it runs.
 In the child, :func:`serve` runs the script's ``measure(spec)``, which trains with :func:`fit`: a Lightning fit
 timed by :class:`StepClock`, whose exception becomes the record's ``error`` (a crash never stops the run).
 
