@@ -128,7 +128,7 @@ class PlanSearch:
         trials: list[Trial] = []
         for plan in self.candidates:
             skip = self._skip_reason(plan, trials)
-            trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call))
+            trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call, trials))
         timed = [t for t in trials if t.ms is not None]
         eligible = [t for t in timed if t is trials[0] or self._beats_baseline(t, trials)]
         winner = min(eligible or timed, key=lambda t: t.ms) if timed else Trial(self.candidates[0].name)
@@ -154,19 +154,17 @@ class PlanSearch:
                 return f"{trial.name} does what it does and ran faster than eager"
         return None
 
-    def _try(self, plan: Plan, call: Callable[[], None]) -> Trial:
+    def _try(self, plan: Plan, call: Callable[[], None], trials: list[Trial]) -> Trial:
         trial = self._trial(plan, call)
-        if self._ahead_within_noise(trial):  # rank zero's times, so every rank agrees
+        if self._ahead_within_noise(trial, trials):  # rank zero's times, so every rank agrees
             trial = self._trial(plan, call)  # one slow call (a graph recorded late) can turn the test: try again
             trial.tries = 2
         return trial
 
-    def _ahead_within_noise(self, trial: Trial) -> bool:
-        baseline = self.candidates[0].name
-        if trial.ms is None or trial.name == baseline or baseline not in self._times:
-            return False
-        ahead = trial.ms < statistics.median(self._times[baseline])
-        return ahead and not clearly_faster(self._times[trial.name], self._times[baseline])
+    def _ahead_within_noise(self, trial: Trial, trials: list[Trial]) -> bool:
+        baseline = trials[0].ms if trials else None  # none yet: ``trial`` is the baseline's own
+        ahead = baseline is not None and trial.ms is not None and trial.ms < baseline
+        return ahead and not self._beats_baseline(trial, trials)
 
     def _trial(self, plan: Plan, call: Callable[[], None]) -> Trial:
         failure, times = _unfit(plan, call), None

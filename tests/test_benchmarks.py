@@ -165,8 +165,8 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
     ]  # fmt: skip
     assert lines[-1] == (
         "4 cases, 1 crashed fits (llama two_optimizers 8 fuse); fuse <= eager in 3 of 4; <= 1.05x reduce-overhead's "
-        "one line in 1 of 3; final loss within bf16's tolerance of eager's in 2 of 3; varying lengths: <= 2 recompiles of a region in 0 of 1, <= one graph a "
-        "bucket in 1 of 1, wall <= eager's + compiling in 0 of 2.")  # fmt: skip
+        "one line in 1 of 3; final loss within bf16's tolerance of eager's in 2 of 3; varying lengths: <= 2 "
+        "recompiles of a region in 0 of 1, <= one graph a bucket in 1 of 1, wall <= eager's + compiling in 0 of 2.")
     out = tmp_path / "patterns.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert patterns.main(["--checks", str(out)]) == 0
