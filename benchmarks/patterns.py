@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
-          "most_recompiles", "compile_s", "plan", "graphs", "ran", "error")
+          "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "error")
 HF, VISION = ("llama",), ("resnet50",)
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
