@@ -139,6 +139,7 @@ def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows
 
 
 def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_unbucketed_fits(tmp_path, capsys):
+    """...and mark a one line whose final loss missed eager's (it still holds fuse), naming both losses."""
     import patterns
 
     def row(pattern: str, variant: str, **fields: Any) -> dict:
@@ -149,7 +150,8 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
     records = [
         row("lora", "eager", step_ms=50.0, final_loss=10.2), row("lora", "fuse", step_ms=9.0, final_loss=10.9),
         row("varying_length", "eager", step_ms=60.0, final_loss=2.0, wall_s=20.0),
-        row("varying_length", "reduce_overhead", step_ms=10.0), row("lora", "reduce_overhead", step_ms=9.0),
+        row("varying_length", "reduce_overhead", step_ms=10.0),
+        row("lora", "reduce_overhead", step_ms=9.0, final_loss=12.0),
         row("varying_length", "fuse", step_ms=12.0, final_loss=2.01, most_recompiles=3, **varying),
         row("varying_length_buckets", "fuse", step_ms=11.0, final_loss=2.02, graphs=3, most_recompiles=0, **varying),
         row("moe", "eager", step_ms=90.0, final_loss=1.0, steps=230),
@@ -158,7 +160,7 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
     text = patterns.checks(records)
     lines = text.splitlines()
     assert lines[2:6] == [
-        "| llama | lora | 8 | 50.00 | 9.00 | - | 0.18 | 1.00 | 10.9 / 10.2 | - | - | - |",
+        "| llama | lora | 8 | 50.00 | 9.00 | - | 0.18 | 1.00† | 10.9 / 10.2 | - | - | - |",
         "| llama | moe | 8 | 90.00 | 99.00 | - | 1.10 | - | - | - | - | - |",  # eager's 230 steps: no loss to hold
         "| llama | varying_length | 8 | 60.00 | 12.00 | - | 0.20 | 1.20 | 2.01 / 2 | 3 | - | 90 / 80 |",
         "| llama | varying_length_buckets | 8 | 60.00 | 11.00 | - | 0.18 | 1.10 | 2.02 / 2 | 0 | 3 | 90 / 80 |",
@@ -166,7 +168,8 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
     assert lines[-1] == (
         "4 cases, 1 crashed fits (llama two_optimizers 8 fuse); fuse <= eager in 3 of 4; <= 1.05x reduce-overhead's "
         "one line in 1 of 3; final loss within bf16's tolerance of eager's in 2 of 3; varying lengths: <= 2 "
-        "recompiles of a region in 0 of 1, <= one graph a bucket in 1 of 1, wall <= eager's + compiling in 0 of 2.")
+        "recompiles of a region in 0 of 1, <= one graph a bucket in 1 of 1, wall <= eager's + compiling in 0 of 2. "
+        "† The one line's final loss missed eager's: lora (12 / 10.2).")
     out = tmp_path / "patterns.jsonl"
     out.write_text("".join(json.dumps(r) + "\n" for r in records))
     assert patterns.main(["--checks", str(out)]) == 0
