@@ -61,8 +61,8 @@ class FuseCallback(Callback):
     An explicit ``mode`` or ``targets``, or ``cuda_graph=True``, force a plan; ``cuda_graph=False`` leaves the plans
     that capture CUDA graphs out of the search. Compiling happens in place (``state_dict`` keys,
     hooks and classes never change). Where the first steps' input shapes vary, CUDA graph plans are left out
-    (unless ``pad_buckets``), the varying dims compile as dynamic, and on CUDA the plan's steps leave cuDNN attention
-    out (it builds a plan per new length). With ``mode="auto"`` a plan measured slower
+    (unless ``pad_buckets``), the varying dims compile as dynamic, and on CUDA the plan's steps and the eager
+    reference's leave cuDNN attention out (it builds a plan per new length). With ``mode="auto"`` a plan measured slower
     than eager over a window of steps (:mod:`~lightning_fuse.running_guard`) or over an epoch is dropped and the
     fit trains eagerly. Every epoch logs ``fuse/speedup`` against eager steps measured in the same run,
     with its interval, and ``fuse/step_ms`` and friends; the fit ends with one verdict line.

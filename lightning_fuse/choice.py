@@ -150,8 +150,8 @@ def _search(fit: FitState, training: Training, pl_module: pl.LightningModule) ->
 def _hold_over_varying_shapes(fit: FitState) -> None:
     """Where the shapes recorded before the plan search vary, those dims are marked dynamic from now on, only the
     candidates that hold over them compete (no graph of FuseCallback's own without ``pad_buckets``), and on CUDA
-    without ``pad_buckets`` the plan's steps leave cuDNN attention out (:class:`~lightning_fuse.call_shapes.
-    NoCudnnAttention`); a line says each."""
+    without ``pad_buckets`` the plan's steps and the eager reference's leave cuDNN attention out
+    (:class:`~lightning_fuse.call_shapes.NoCudnnAttention`); a line says each."""
     shapes = fit.hooks.shapes
     if not shapes.varies:
         return

@@ -139,7 +139,8 @@ class FitState:
         size = batch_size(batch)
         self.nominal_batch = max(self.nominal_batch, size)
         eager = self.plan is None or self.schedule.is_eager(self.steps)
-        self.hooks.set_plan_step(not eager and self.runs_compiled())
+        compiled = self.runs_compiled()
+        self.hooks.set_plan_step(not eager and compiled, reference=eager and compiled)
         timed, profiled = self.step_timing(eager, size)
         self.step_kind = (EAGER if eager else COMPILED) if timed else SKIPPED
         if self.schedule.is_lead_in(self.steps):

@@ -54,7 +54,7 @@ class FitHooks:
     no_cache: NoCacheInTraining | None = None
     guard: BackwardGuard | None = None
     attention: NoCudnnAttention = field(default_factory=NoCudnnAttention)
-    """cuDNN attention off in the plan's steps, where the lengths vary."""
+    """cuDNN attention off in the plan's steps and the eager reference's, where the lengths vary."""
     cache: CompileCache | None = None
     buckets: PadToBuckets | None = None
     shapes: CallShapes = field(default_factory=CallShapes)
@@ -104,12 +104,14 @@ class FitHooks:
         # reached before ours; our limit is per region and enforced in compiler.CompiledRegion.
         compat.set_dynamo_recompile_limit(max(self.saved_recompile_limit, min(256, (limit + 1) * max(1, regions))))
 
-    def set_plan_step(self, plan_step: bool) -> None:
+    def set_plan_step(self, plan_step: bool, reference: bool = False) -> None:
         """The plan's steps (``plan_step``) run without the KV cache and, where the lengths vary, without cuDNN
-        attention; eager steps run the user's call and settings as written."""
+        attention; eager steps run the user's call as written, and its settings except that an eager reference
+        step (``reference``) leaves cuDNN attention out too (:class:`~lightning_fuse.call_shapes.NoCudnnAttention`
+        says why)."""
         if self.no_cache is not None:
             self.no_cache.enabled = plan_step
-        self.attention.enabled = plan_step
+        self.attention.enabled = plan_step or reference
 
     def remove(self) -> None:
         """Take off everything :meth:`install` put on, and put torch's settings back."""

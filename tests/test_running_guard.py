@@ -59,7 +59,7 @@ def test_with_varying_shapes_only_torch_graphs_per_size_compete_unless_lengths_a
 
 @pytest.mark.parametrize(("device", "buckets", "applies"), [("cuda", None, True), ("cuda", (64, 128), False),
                                                         ("cpu", None, False)])  # fmt: skip
-def test_varying_lengths_on_cuda_leave_cudnn_attention_out_of_the_plans_steps_only(device, buckets, applies, caplog):
+def test_varying_lengths_on_cuda_leave_cudnn_attention_out_of_fuses_steps_only(device, buckets, applies, caplog):
     hooks = FitHooks(shapes=lengths_seen(64, 200, 97), buckets=PadToBuckets(buckets) if buckets else None)
     fit = SimpleNamespace(hooks=hooks, searching=False, candidates=[],
                           setting=SimpleNamespace(device=torch.device(device)), varying_dims=set())  # fmt: skip
@@ -69,9 +69,11 @@ def test_varying_lengths_on_cuda_leave_cudnn_attention_out_of_the_plans_steps_on
     assert fit.hooks.attention.applies is applies
     assert any("builds a plan for each new length" in r.getMessage() for r in caplog.records) is applies
     try:
-        fit.hooks.attention.enabled = True  # a plan step (and the search)
+        fit.hooks.set_plan_step(False, reference=True)  # an eager reference step: as the plan's (and the search's)
         assert torch.backends.cuda.cudnn_sdp_enabled() is not applies
-        fit.hooks.attention.enabled = False  # an eager reference step: the user's setting
+        fit.hooks.set_plan_step(True)
+        assert torch.backends.cuda.cudnn_sdp_enabled() is not applies
+        fit.hooks.set_plan_step(False)  # an eager step of a fit whose plan was dropped: the user's setting
         assert torch.backends.cuda.cudnn_sdp_enabled()
         fit.hooks.attention.enabled = True
     finally:
