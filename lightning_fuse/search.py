@@ -148,7 +148,8 @@ class PlanSearch:
         if plan.tried_after is not None and not any(
             t.name == plan.tried_after and t.outcome.startswith("failed") for t in trials
         ):
-            return f"a fallback for {plan.tried_after}, which did not fail"
+            ran = any(t.name == plan.tried_after for t in trials)
+            return f"a fallback for {plan.tried_after}, which {'did not fail' if ran else 'was left out'}"
         for trial in trials:
             if trial.name in plan.dominated_by and self._beats_baseline(trial, trials):
                 return f"{trial.name} does what it does and ran faster than eager"

@@ -154,6 +154,8 @@ def test_a_fallback_candidate_is_tried_only_where_the_plan_it_replaces_failed(gr
     else:
         assert trees.ms is None and trees.outcome == "skipped: a fallback for regions+graph, which did not fail"
         assert decision.winner == "regions+graph"
+    left_out = run([plans[0], plans[2]], clock).trials[1]  # varying lengths leave FuseCallback's own graphs out
+    assert left_out.outcome == "skipped: a fallback for regions+graph, which was left out"
 
 
 def test_regions_under_torchs_graphs_compete_with_reduce_overhead_where_both_graph_plans_failed():
