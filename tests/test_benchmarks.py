@@ -139,7 +139,7 @@ def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows
 
 
 def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_unbucketed_fits(tmp_path, capsys):
-    """...and mark a one line whose final loss missed eager's (it still holds fuse), naming both losses."""
+    """The checks also mark a one line whose final loss missed eager's, naming both losses; it still holds fuse."""
     import patterns
 
     def row(pattern: str, variant: str, **fields: Any) -> dict:
