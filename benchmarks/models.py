@@ -390,6 +390,21 @@ def fuse_info(callbacks: list) -> dict[str, Any]:
             "search": decision.lines() if decision is not None else None}  # fmt: skip
 
 
+def logged_speedup(history: list[dict]) -> dict[str, float | None]:
+    """What a FuseCallback fit logged (``history``, one row an epoch) for its last epoch that has each value: the
+    speedup with its interval, and the in-run eager reference's step.
+
+    Example::
+
+        >>> logged_speedup([{"fuse/speedup": 2.0, "fuse/eager_step_ms": 30.0}, {"fuse/speedup": 2.2}])
+        {'speedup_logged': 2.2, 'speedup_low': None, 'speedup_high': None, 'eager_step_ms_in_run': 30.0}
+    """
+    keys = {"speedup_logged": "speedup", "speedup_low": "speedup_low", "speedup_high": "speedup_high",
+            "eager_step_ms_in_run": "eager_step_ms"}  # fmt: skip
+    return {field: next((row[f"fuse/{key}"] for row in reversed(history) if row.get(f"fuse/{key}") is not None), None)
+            for field, key in keys.items()}  # fmt: skip
+
+
 def main() -> None:
     for name, (source, build_net, small, large) in MODELS.items():
         try:

@@ -2,7 +2,9 @@
 
 Each (model, pattern, variant) trains in its own process; ``step_ms`` is per batch (a micro-batch under
 gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start to end (compiling included),
-``final_loss`` the mean loss of the last 10 steps, ``recompiles`` FuseCallback's count. Models: ``llama``
+``final_loss`` the mean loss of the last 10 steps, ``recompiles`` FuseCallback's count, ``speedup_logged`` (with
+``speedup_low``/``speedup_high``, its interval) and ``eager_step_ms_in_run`` what the fuse fit logged for its last
+epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio. Models: ``llama``
 (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta`` (fuse's plan for
 them is torch's cudagraph trees) for ``accumulate_clip``, and the recipe ``gpt`` with mixture-of-experts MLPs for
 ``moe``. On the GPU:
@@ -36,7 +38,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
-          "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "error")
+          "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "speedup_logged", "speedup_low",
+          "speedup_high", "eager_step_ms_in_run", "error")  # fmt: skip
 HF, VISION = ("llama",), ("resnet50",)
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
@@ -202,7 +205,8 @@ def measure(spec: dict) -> dict:
         return {"error": harness.describe(err)}
     result = harness.fit(task, DataLoader(task.data, batch_size=None), steps=spec["steps"] * optimizers,
                          warmup=spec["warmup"], callbacks=callbacks, started=started, **trainer_kw)  # fmt: skip
-    return {**result, **models.fuse_info(callbacks)}
+    info = models.fuse_info(callbacks)
+    return {**result, **info, **models.logged_speedup(info["history"])}
 
 
 def checks(records: list[dict]) -> str:
@@ -224,30 +228,35 @@ def checks(records: list[dict]) -> str:
         ...          "step_ms": 30.0, "final_loss": 2.0, "wall_s": 20.0},
         ...         {"model": "m", "pattern": "varying_length", "batch_size": 8, "variant": "fuse", "steps": 100,
         ...          "step_ms": 9.0, "final_loss": 2.05, "wall_s": 50.0, "compile_s": 40.0, "most_recompiles": 1,
-        ...          "plan": "regions"}]
+        ...          "plan": "regions", "speedup_logged": 3.5, "speedup_low": 3.0, "speedup_high": 4.0}]
         >>> rows.append({**rows[0], "variant": "reduce_overhead", "step_ms": 6.0})
         >>> print(checks(rows).splitlines()[2])
-        | m | varying_length | 8 | 30.00 | 9.00 | regions | 0.30 | 1.50 | 2.05 / 2 | 1 | - | 50 / 60 |
+        | m | varying_length | 8 | 30.00 | 9.00 | regions | 0.30 | 1.50 | 2.05 / 2 | 1 | - | 50 / 60 | \
+3.50 (3.00-4.00) / 3.33 |
         >>> print(checks(rows).splitlines()[-1])
         1 cases, 0 crashed fits; fuse <= eager in 1 of 1; <= 1.05x reduce-overhead's one line in 0 of 1; final loss \
 within bf16's tolerance of eager's in 1 of 1; varying lengths: <= 2 recompiles of a region in 1 of 1, <= one graph a \
-bucket in 0 of 0, wall <= eager's + compiling in 1 of 1.
+bucket in 0 of 0, wall <= eager's + compiling in 1 of 1; the logged interval holds the separate fits' ratio in \
+1 of 1.
     """
     cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "pattern", "batch_size"))
     judged = [_pattern_checks(case, variants, cases) for case, variants in sorted(cases.items(), key=str)]
     judged = [case for case in judged if case is not None]
     passed = {name: harness.passing(flags) for name, flags in
-              harness.judged_values(judged, ("faster", "one_line", "loss", "recompiles", "graphs", "wall")).items()}
+              harness.judged_values(judged, ("faster", "one_line", "loss", "recompiles", "graphs", "wall",
+                                             "logged")).items()}  # fmt: skip
     verdicts = (f"fuse <= eager in {passed['faster']}; <= {OVER_ONE_LINE}x reduce-overhead's one line in "
                 f"{passed['one_line']}; final loss within bf16's tolerance of eager's in "
                 f"{passed['loss']}; varying lengths: <= {MOST_RECOMPILES} recompiles of a region in "
                 f"{passed['recompiles']}, <= one graph a bucket in {passed['graphs']}, wall <= eager's + compiling in "
-                f"{passed['wall']}.")  # fmt: skip
+                f"{passed['wall']}; the logged interval holds the separate fits' ratio in "
+                f"{passed['logged']}.")  # fmt: skip
     off = [case["line_off"] for case in judged if case["line_off"]]
     verdicts += f" {LOSS_OFF} The one line's final loss missed eager's: {', '.join(off)}." if off else ""
     header = ("| model | pattern | batch | eager ms | fuse ms | plan | over eager | over reduce-overhead | loss, fuse "
-              "/ eager | most recompiles | graphs | wall s, fuse / eager + compiling |")  # fmt: skip
-    return harness.checks_report(header, "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|", judged,
+              "/ eager | most recompiles | graphs | wall s, fuse / eager + compiling | logged speedup (interval) / "
+              "separate fits' |")  # fmt: skip
+    return harness.checks_report(header, "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|", judged,
                                  crashes, verdicts)  # fmt: skip
 
 
@@ -271,21 +280,40 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     star = "" if "most_recompiles" in fuse else "*"
     sides = (fuse.get("wall_s"), same_fit.get("wall_s"), fuse.get("compile_s"))
     wall = (sides[0], sides[1] + sides[2]) if None not in sides else None
+    logged, holds = _logged(fuse, eager)
     found = {"faster": over <= 1.0 if over is not None else None,
              "one_line": over_line <= OVER_ONE_LINE if over_line is not None else None,
              "loss": _close(*losses) if losses else None,
              "recompiles": most <= MOST_RECOMPILES if varying and not bucketed and most is not None else None,
              "graphs": fuse.get("graphs", 0) <= len(BUCKETS) if bucketed and fuse.get("graphs") is not None else None,
-             "wall": wall[0] <= wall[1] if varying and wall else None}  # fmt: skip
+             "wall": wall[0] <= wall[1] if varying and wall else None, "logged": holds}  # fmt: skip
     cells = [model, pattern, batch, f"{eager['step_ms']:.2f}" if eager else "-", f"{fuse['step_ms']:.2f}",
              fuse.get("plan") or "-", f"{over:.2f}" if over is not None else "-",
              f"{over_line:.2f}{LOSS_OFF if line_off else ''}" if over_line is not None else "-",
              f"{losses[0]:.3g} / {losses[1]:.3g}" if losses else "-",
              f"{most}{star}" if varying and most is not None else "-",
              fuse.get("graphs") if bucketed and fuse.get("graphs") is not None else "-",
-             f"{wall[0]:.0f} / {wall[1]:.0f}" if varying and wall else "-"]  # fmt: skip
+             f"{wall[0]:.0f} / {wall[1]:.0f}" if varying and wall else "-", logged]  # fmt: skip
     return {**found, "line_off": f"{pattern} ({one_line['final_loss']:.3g} / {eager['final_loss']:.3g})" if line_off
             else None, "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
+
+
+def _logged(fuse: dict, eager: dict | None) -> tuple[str, bool | None]:
+    """The fuse fit's logged speedup with its interval beside the separate fits' ratio (eager's step over fuse's),
+    and whether the interval holds it (``None`` where a side is missing).
+
+    Example::
+
+        >>> _logged({"step_ms": 8.74, "speedup_logged": 18.7, "speedup_low": 13.6, "speedup_high": 26.6},
+        ...         {"step_ms": 64.97})
+        ('18.70 (13.60-26.60) / 7.43', False)
+    """
+    logged, low, high = (fuse.get(key) for key in ("speedup_logged", "speedup_low", "speedup_high"))
+    if logged is None or not eager:
+        return "-", None
+    true = eager["step_ms"] / fuse["step_ms"]
+    interval = f" ({low:.2f}-{high:.2f})" if None not in (low, high) else ""
+    return f"{logged:.2f}{interval} / {true:.2f}", low <= true <= high if interval else None
 
 
 def _trains_like(row: dict, eager: dict | None) -> bool | None:
