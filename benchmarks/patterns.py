@@ -283,7 +283,7 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     logged, holds = _logged(fuse, eager)
     found = {"faster": over <= 1.0 if over is not None else None,
              "one_line": over_line <= OVER_ONE_LINE if over_line is not None else None,
-             "loss": _close(*losses) if losses else None,
+             "loss": _trains_like(fuse, eager),
              "recompiles": most <= MOST_RECOMPILES if varying and not bucketed and most is not None else None,
              "graphs": fuse.get("graphs", 0) <= len(BUCKETS) if bucketed and fuse.get("graphs") is not None else None,
              "wall": wall[0] <= wall[1] if varying and wall else None, "logged": holds}  # fmt: skip
@@ -317,7 +317,8 @@ def _logged(fuse: dict, eager: dict | None) -> tuple[str, bool | None]:
 
 
 def _trains_like(row: dict, eager: dict | None) -> bool | None:
-    """Whether ``row``'s fit ended at eager's final loss of as many steps (``None`` where not both measured).
+    """Whether ``row``'s fit ended at eager's final loss of as many steps, within bf16's tolerance
+    (:data:`LOSS_RTOL`; ``None`` where not both measured).
 
     Example::
 
@@ -326,12 +327,7 @@ def _trains_like(row: dict, eager: dict | None) -> bool | None:
     """
     if not eager or eager.get("steps") != row.get("steps") or None in (row.get("final_loss"), eager.get("final_loss")):
         return None
-    return _close(row["final_loss"], eager["final_loss"])
-
-
-def _close(loss: float, eager_loss: float) -> bool:
-    """Whether ``loss`` lies within bf16's tolerance of ``eager_loss`` (:data:`LOSS_RTOL`)."""
-    return math.isclose(loss, eager_loss, rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL)
+    return math.isclose(row["final_loss"], eager["final_loss"], rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,8 +40,7 @@ def measure(spec: dict) -> dict:
     result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=callbacks,
                          started=started)  # fmt: skip
     info = models.fuse_info(callbacks)
-    in_run = [row["fuse/eager_step_ms"] for row in info["history"] if row.get("fuse/eager_step_ms") is not None]
-    return {**result, **info, "eager_step_ms_in_run": in_run[-1] if in_run else None}
+    return {**result, **info, "eager_step_ms_in_run": models.logged_speedup(info["history"])["eager_step_ms_in_run"]}
 
 
 def run_variant(runner: harness.Runner, spec: dict, env: dict) -> dict:
