@@ -217,7 +217,7 @@ class FuseCallback(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
-        self._drop_plan_if_slower_over_window(trainer, self.fit.end_step())
+        self._judge_window(trainer, self.fit.end_step())
         share_optimizer_verdict(self.fit, trainer.strategy.broadcast)
 
     @override
@@ -279,14 +279,19 @@ class FuseCallback(Callback):
             self.fit.drop_plan(f"it measured {speedup:.2f}x of eager {when}, its interval wholly below "
                                f"{CLEARLY_SLOWER}x (up to {high:.2f}x)", epoch)  # fmt: skip
 
-    def _drop_plan_if_slower_over_window(self, trainer: pl.Trainer, plan_ms: list[float] | None) -> None:
-        """The running guard: at each window's end (``plan_ms``, its plan steps), with ``mode="auto"``, a plan whose
-        median step was slower than eager's is dropped mid-epoch; rank zero's measurement decides (one collective
-        per window, on the same step on every rank)."""
+    def _judge_window(self, trainer: pl.Trainer, plan_ms: list[float] | None) -> None:
+        """The running guard: at each window's end (``plan_ms``, its plan steps), with ``mode="auto"``, a plan under
+        torch's CUDA graphs that met more sizes than they record hands over to the same compile without graphs
+        (:meth:`~lightning_fuse.fit.FitState.hand_over`), and a plan whose median step was slower than eager's is
+        dropped mid-epoch; rank zero's word decides (one collective per window, on the same step on every rank)."""
         if plan_ms is None or not self._plan_is_judged():
             return
         window = self.fit.pace.window
-        speedup = trainer.strategy.broadcast(self.fit.speedup_over_window(plan_ms))
+        speedup, successor = trainer.strategy.broadcast((self.fit.speedup_over_window(plan_ms),
+                                                         self.fit.graphless_successor()))  # fmt: skip
+        if successor is not None:  # the window measured the plan handed over from
+            self.fit.hand_over(successor)
+            return
         where = f"over its last {window} steps in epoch {trainer.current_epoch}"
         self._drop_plan_below_margin(speedup, f"{where} (median step, compiling steps included)", trainer.current_epoch)
 

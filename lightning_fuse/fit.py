@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
+from lightning_fuse.compiler import TREE_SIZES
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.meters import GpuMeters, cudagraph_trees
-from lightning_fuse.plan import Plan, Setting, plan_graph
+from lightning_fuse.plan import WITHOUT_GRAPHS, Plan, Setting, plan_graph
 from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims)
@@ -304,6 +305,27 @@ class FitState:
         self.plan, self.dropped, self.dropped_in_epoch = rest, f"{reason} (step {self.steps})", epoch
         if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
             self.decision_file.forget()
+
+    def graphless_successor(self) -> str | None:
+        """Where torch's cudagraph trees under the plan met more sizes than they record, the candidate that compiles
+        the same without CUDA graphs (:data:`~lightning_fuse.plan.WITHOUT_GRAPHS`), else ``None``."""
+        name = WITHOUT_GRAPHS.get(self.plan_name()) if self.plan is not None and self.plan.sizes_full else None
+        return name if any(plan.name == name for plan in self.candidates) else None
+
+    def hand_over(self, successor: str) -> None:
+        """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_successor`), its
+        optimizers' graphs kept; one line says why."""
+        previous, plan = self.plan_name(), next(plan for plan in self.candidates if plan.name == successor)
+        rank_zero_info(f"FuseCallback: torch's CUDA graphs under {previous!r} met more input sizes than one fit "
+                       f"records ({TREE_SIZES}), and sizes without a graph run slower than compiled code alone: from "
+                       f"step {self.steps} the fit runs {successor!r}, the same compile without graphs (compiled now, "
+                       "once). Pad the lengths to a few sizes with `pad_buckets` to keep every step in a graph.")
+        self.fallbacks.update(self.plan_fallbacks())
+        self.plan.uninstall()
+        self.plan.release()
+        plan.reason = f"handed over from {previous!r} at step {self.steps}: its graphs reached their cap of sizes"
+        plan.install()
+        self.plan = plan
 
     def uninstall_plan(self) -> None:
         for graph in filter(None, self.optimizer_graphs):

@@ -48,6 +48,13 @@ from lightning_fuse.shapes import CompileTracker
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+WITHOUT_GRAPHS = {"reduce-overhead": "compile", "regions+trees": "regions"}
+"""The plan under torch's cudagraph trees -> the one that compiles the same without CUDA graphs. Where the trees met
+more sizes than they record (:attr:`Plan.sizes_full`), most steps ran without a graph, and slower than that plan's:
+on an H100, a Llama whose every step had its own length ran 37.3 ms a step under ``reduce-overhead`` against 25.0
+under the one line of ``torch.compile`` (``benchmarks/RESULTS.md``); the fit hands over to it
+(:meth:`~lightning_fuse.fit.FitState.hand_over`)."""
+
 
 @dataclass
 class Setting:
@@ -160,6 +167,11 @@ class Plan:
         return None
 
     @property
+    def sizes_full(self) -> bool:
+        """Whether torch's cudagraph trees under this plan met a size past the most they record in one fit."""
+        return False
+
+    @property
     def compiled_regions(self) -> list[str]:
         return []
 
@@ -248,6 +260,10 @@ class Regions(Plan):
     @property
     def runners(self) -> list[CompiledRegion]:
         return self._runners
+
+    @property
+    def sizes_full(self) -> bool:
+        return self._tree_sizes is not None and self._tree_sizes.refused > 0
 
     @property
     def compiled_regions(self) -> list[str]:

@@ -1,6 +1,7 @@
 """Plans that crawl in training: shapes that vary keep one-shape graphs out of the search, a slow plan is dropped
 mid-epoch, and torch's own CUDA graphs record for a bounded number of sizes."""
 
+import logging
 import pickle
 from types import SimpleNamespace
 
@@ -10,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 
 import lightning_fuse.running_guard as running_guard
 from lightning_fuse import FuseCallback, choice
+from lightning_fuse import plan as plan_module
 from lightning_fuse.buckets import PadToBuckets, suggest_buckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, RepeatedSizes
@@ -333,5 +335,27 @@ def test_rank_zeros_word_decides_once_per_window(monkeypatch):
     activation, window = fuse.fit.activation_step, running_guard.GUARD_WINDOW
     after = [(step, value) for step, value in calls if step > activation]
     assert [step for step, _ in after] == [activation + window, activation + 2 * window, 70]  # 2 windows, epoch end
-    assert all(value < 0.9 for _, value in after[:2]), after  # this rank measured the plan slow at each window ...
+    assert all(value[0] < 0.9 for _, value in after[:2]), after  # this rank measured the plan slow at each window ...
     assert fuse.fit.dropped is None and set(probe.plans[activation:]) == {"regions"}  # ... rank zero's word kept it
+
+
+def test_a_plan_whose_torch_graphs_met_more_sizes_than_they_record_hands_over_to_the_same_compile_without_graphs(
+        monkeypatch, caplog):  # fmt: skip
+    """Faked on CPU: ``regions`` stands in for ``reduce-overhead``, ``compile`` for the same compile without graphs,
+    and the trees' sizes fill at step 10. At the guard's window end the fit hands over, once, and keeps the plan."""
+    regions_win_on_a_fake_clock(monkeypatch)
+    monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "regions", "compile")
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)  # no epoch-end verdict on CPU's clock
+    full = property(lambda plan: plan.name == "regions" and fuse.fit.steps >= 10)
+    monkeypatch.setattr(plan_module.Regions, "sizes_full", full)
+    probe = PlanPerStep(fuse)
+    with caplog.at_level(logging.INFO):
+        trainer([fuse, probe], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 80))
+    activation, window = fuse.fit.activation_step, running_guard.GUARD_WINDOW
+    handed = probe.plans.index("compile")
+    assert handed == activation + window - 1, "at the first window's end, not before"
+    assert set(probe.plans[activation:handed]) == {"regions"} and set(probe.plans[handed:]) == {"compile"}
+    assert fuse.fit.dropped is None and fuse.decision.winner == "regions"
+    assert fuse.plan.reason == f"handed over from 'regions' at step {handed + 1}: its graphs reached their cap of sizes"
+    assert caplog.text.count("met more input sizes than one fit records") == 1
+    assert "the fit runs 'compile', the same compile without graphs" in caplog.text
