@@ -4,7 +4,8 @@ Each (model, pattern, variant) trains in its own process; ``step_ms`` is per bat
 gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start to end (compiling included),
 ``final_loss`` the mean loss of the last 10 steps, ``recompiles`` FuseCallback's count, ``speedup_logged`` (with
 ``speedup_low``/``speedup_high``, its interval) and ``eager_step_ms_in_run`` what the fuse fit logged for its last
-epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio. Models: ``llama``
+epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio, ``trained_share`` the share of the
+trainable parameters the fit changed (:func:`trained_share`). Models: ``llama``
 (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta`` (fuse's plan for
 them is torch's cudagraph trees) for ``accumulate_clip``, and the recipe ``gpt`` with mixture-of-experts MLPs for
 ``moe``. On the GPU:
@@ -39,7 +40,7 @@ from torch.utils.data import DataLoader
 
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
           "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "speedup_logged", "speedup_low",
-          "speedup_high", "eager_step_ms_in_run", "error")  # fmt: skip
+          "speedup_high", "eager_step_ms_in_run", "trained_share", "error")  # fmt: skip
 HF, VISION = ("llama",), ("resnet50",)
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
@@ -199,6 +200,7 @@ def measure(spec: dict) -> dict:
     task, _ = models.build(spec["model"], spec["batch_size"], spec["smoke"], batches)
     extra = apply(task, spec) or {}
     task = TwoOptimizers(task) if optimizers == 2 else task
+    initial = [param.detach().clone() for param in task.parameters() if param.requires_grad]
     started = time.perf_counter()
     try:
         fuse_kw = extra.get("fuse", {})
@@ -208,7 +210,22 @@ def measure(spec: dict) -> dict:
     result = harness.fit(task, DataLoader(task.data, batch_size=None), steps=spec["steps"] * optimizers,
                          warmup=spec["warmup"], callbacks=callbacks, started=started, **trainer_kw)  # fmt: skip
     info = models.fuse_info(callbacks)
-    return {**result, **info, **models.logged_speedup(info["history"])}
+    trained = trained_share(initial, [param for param in task.parameters() if param.requires_grad])
+    return {**result, **info, **models.logged_speedup(info["history"]), "trained_share": trained}
+
+
+def trained_share(initial: list[Tensor], final: list[Tensor]) -> float:
+    """The share of the trainable parameters' elements whose tensor the fit changed (``initial``: copies from
+    before it): eager trains all of them, a variant that skips an optimizer's update trains less.
+
+    Example::
+
+        >>> trained_share([torch.zeros(3), torch.zeros(1)], [torch.ones(3), torch.zeros(1)])
+        0.75
+    """
+    changed = sum(before.numel() for before, after in zip(initial, final, strict=True)
+                  if not torch.equal(before, after.detach().to(before.device)))  # fmt: skip
+    return changed / max(1, sum(before.numel() for before in initial))
 
 
 def checks(records: list[dict]) -> str:
@@ -297,8 +314,23 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
              f"{most}{star}" if varying and most is not None else "-",
              fuse.get("graphs") if bucketed and fuse.get("graphs") is not None else "-",
              f"{wall[0]:.0f} / {wall[1]:.0f}" if varying and wall else "-", logged]  # fmt: skip
-    return {**found, "line_off": f"{pattern} ({one_line['final_loss']:.3g} / {eager['final_loss']:.3g})" if line_off
-            else None, "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
+    return {**found, "line_off": _missed(pattern, one_line, eager) if line_off else None,
+            "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
+
+
+def _missed(pattern: str, one_line: dict, eager: dict) -> str:
+    """A one-line fit whose loss missed eager's: both losses, and the shares of the parameters each trained where
+    recorded (``trained_share``).
+
+    Example::
+
+        >>> _missed("two_optimizers", {"final_loss": 3.29, "trained_share": 0.5}, {"final_loss": 0.335,
+        ...                                                                       "trained_share": 1.0})
+        'two_optimizers (3.29 / 0.335; it trained 0.50 of the parameters, eager 1.00)'
+    """
+    shares = (one_line.get("trained_share"), eager.get("trained_share"))
+    trained = f"; it trained {shares[0]:.2f} of the parameters, eager {shares[1]:.2f}" if None not in shares else ""
+    return f"{pattern} ({one_line['final_loss']:.3g} / {eager['final_loss']:.3g}{trained})"
 
 
 def _logged(fuse: dict, eager: dict | None) -> tuple[str, bool | None]:
