@@ -230,11 +230,11 @@ def trained_share(initial: list[Tensor], final: list[Tensor]) -> float:
 
 def checks(records: list[dict]) -> str:
     """The real-models issue's pattern checks, as Markdown, over each model, pattern and batch's newest rows
-    (``harness.newest_rows``): ``fuse``'s step over eager's (at most 1) and over the faster one line
-    of :data:`ONE_LINES` where measured (at most :data:`OVER_ONE_LINE`, the zoo's limit; the cell names it), its final loss against
-    eager's of as many steps (:data:`LOSS_RTOL`), and for varying lengths its recompiles of one region (at most
-    :data:`MOST_RECOMPILES`; a record before ``most_recompiles`` gives the fit's total, an upper bound, starred), the
-    CUDA graphs with buckets (at most one a bucket) and its fit's wall time against eager's plus fuse's compiling
+    (``harness.newest_rows``): ``fuse``'s step over eager's (at most 1) and over the faster one line of
+    :data:`ONE_LINES` where measured (at most :data:`OVER_ONE_LINE`, the zoo's limit; the cell names it), its final
+    loss against eager's of as many steps (:data:`LOSS_RTOL`), and for varying lengths its recompiles of one region
+    (at most :data:`MOST_RECOMPILES`; a record before ``most_recompiles`` gives the fit's total, an upper bound,
+    starred), the CUDA graphs with buckets (at most one a bucket) and its fit's wall time against eager's plus fuse's compiling
     (``compile_s``); the bucketed pattern is held to the unbucketed one's eager and one-line fits, on the same
     batches. A one-line fit whose final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses
     (the check still holds fuse to it): on the GPU the one line of ``torch.compile`` left the second optimizer's half
@@ -273,8 +273,8 @@ bucket in 0 of 0, wall <= eager's + compiling in 1 of 1; the logged interval hol
     off = [case["line_off"] for case in judged if case["line_off"]]
     verdicts += f" {LOSS_OFF} The one line's final loss missed eager's: {', '.join(off)}." if off else ""
     header = ("| model | pattern | batch | eager ms | fuse ms | plan | over eager | over the best one line | loss, "
-              "fuse / eager | most recompiles | graphs | wall s, fuse / eager + compiling | logged speedup (interval) / "
-              "separate fits' |")  # fmt: skip
+              "fuse / eager | most recompiles | graphs | wall s, fuse / eager + compiling | logged speedup "
+              "(interval) / separate fits' |")  # fmt: skip
     return harness.checks_report(header, "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|", judged,
                                  crashes, verdicts)  # fmt: skip
 

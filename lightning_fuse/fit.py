@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
-from lightning_fuse.compiler import TREE_SIZES
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.meters import GpuMeters, cudagraph_trees
 from lightning_fuse.plan import WITHOUT_GRAPHS, Plan, Setting, plan_graph
@@ -317,7 +316,7 @@ class FitState:
         optimizers' graphs kept; one line says why."""
         previous, plan = self.plan_name(), next(plan for plan in self.candidates if plan.name == successor)
         rank_zero_info(f"FuseCallback: torch's CUDA graphs under {previous!r} met more input sizes than one fit "
-                       f"records ({TREE_SIZES}), and sizes without a graph run slower than compiled code alone: from "
+                       "records graphs for, and sizes without a graph run slower than compiled code alone: from "
                        f"step {self.steps} the fit runs {successor!r}, the same compile without graphs (compiled now, "
                        "once). Pad the lengths to a few sizes with `pad_buckets` to keep every step in a graph.")
         self.fallbacks.update(self.plan_fallbacks())

@@ -358,9 +358,20 @@ def _extend_capped(target: list[str], new: Any, cap: int) -> None:
 
 
 def warn_recompile(name: str, stats: RegionCompiles) -> None:
-    """Warn (once per region, the caller ensures) that a region recompiled, with dynamo's reason."""
+    """Warn (once per region, the caller ensures) that a region recompiled, with dynamo's reason and what to do.
+
+    Example::
+
+        >>> import warnings
+        >>> stats = RegionCompiles(recompiles_by_code=Counter({"0": 1}),
+        ...                        recompile_reasons=["0/1: BACKEND_MATCH failure"])
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always"); warn_recompile("block", stats)
+        >>> "another of FuseCallback's plans compiled" in str(caught[0].message)
+        True
+    """
     reason = stats.recompile_reasons[-1] if stats.recompile_reasons else "unknown"
-    rank_zero_warn(
-        f"FuseCallback: region {name!r} recompiled ({stats.recompiles}x so far). Reason: {reason}. "
-        "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}."
-    )
+    hint = ("another of FuseCallback's plans compiled this code with other settings (a mode, a backend): once per "
+            "plan it tries or hands over to, nothing to do" if "BACKEND_MATCH" in reason else
+            "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}")  # fmt: skip
+    rank_zero_warn(f"FuseCallback: region {name!r} recompiled ({stats.recompiles}x so far). Reason: {reason}. {hint}.")
