@@ -308,8 +308,8 @@ class FitState:
     def graphless_successor(self) -> str | None:
         """Where torch's cudagraph trees under the plan met more sizes than they record, the candidate that compiles
         the same without CUDA graphs (:data:`~lightning_fuse.plan.WITHOUT_GRAPHS`), else ``None``."""
-        name = WITHOUT_GRAPHS.get(self.plan_name()) if self.plan is not None and self.plan.sizes_full else None
-        return name if any(plan.name == name for plan in self.candidates) else None
+        names = WITHOUT_GRAPHS.get(self.plan_name(), ()) if self.plan is not None and self.plan.sizes_full else ()
+        return next((name for name in names if any(plan.name == name for plan in self.candidates)), None)
 
     def hand_over(self, successor: str) -> None:
         """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_successor`), its

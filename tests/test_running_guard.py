@@ -17,7 +17,8 @@ from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, RepeatedSizes
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.hooks import FitHooks
-from lightning_fuse.plan import Setting, Whole, candidates, for_varying_shapes
+from lightning_fuse.fit import FitState
+from lightning_fuse.plan import Plan, Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
 from lightning_fuse.running_guard import BEFORE, EAGER, PLAN, RunningGuard, window_speedup
 from lightning_fuse.search import TIMED_CALLS, PlanSearch
@@ -344,7 +345,7 @@ def test_a_plan_whose_torch_graphs_met_more_sizes_than_they_record_hands_over_to
     """Faked on CPU: ``regions`` stands in for ``reduce-overhead``, ``compile`` for the same compile without graphs,
     and the trees' sizes fill at step 10. At the guard's window end the fit hands over, once, and keeps the plan."""
     regions_win_on_a_fake_clock(monkeypatch)
-    monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "regions", "compile")
+    monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "regions", ("compile+graph", "compile"))  # the first not made
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)  # no epoch-end verdict on CPU's clock
     full = property(lambda plan: plan.name == "regions" and fuse.fit.steps >= 10)
     monkeypatch.setattr(plan_module.Regions, "sizes_full", full)
@@ -359,3 +360,23 @@ def test_a_plan_whose_torch_graphs_met_more_sizes_than_they_record_hands_over_to
     assert fuse.plan.reason == f"handed over from 'regions' at step {handed + 1}: its graphs reached their cap of sizes"
     assert caplog.text.count("met more input sizes than one fit records") == 1
     assert "the fit runs 'compile', the same compile without graphs" in caplog.text
+
+
+def test_the_handover_goes_to_the_first_graphless_candidate_the_fit_made_and_only_once_the_sizes_are_full():
+    class Named(Plan):
+        def __init__(self, name: str, full: bool = False) -> None:
+            self.name, self.full = name, full
+
+        @property
+        def sizes_full(self) -> bool:
+            return self.full
+
+    trees = Named("reduce-overhead", full=False)
+    fit = FitState(candidates=[Plan(), trees, Named("regions")], plan=trees)  # regions = the whole network: no compile
+    assert fit.graphless_successor() is None, "the trees still record"
+    trees.full = True
+    assert fit.graphless_successor() == "regions"
+    fit.candidates.append(Named("compile"))
+    assert fit.graphless_successor() == "compile"
+    fit.plan = fit.candidates[-1]
+    assert fit.graphless_successor() is None, "a plan without torch's graphs has nothing to hand over to"
