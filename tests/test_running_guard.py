@@ -15,9 +15,9 @@ from lightning_fuse import plan as plan_module
 from lightning_fuse.buckets import PadToBuckets, suggest_buckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.compiler import TREE_SIZES, CompiledRegion, CompileOptions, RepeatedSizes
+from lightning_fuse.fit import FitState
 from lightning_fuse.graphs import graph_target
 from lightning_fuse.hooks import FitHooks
-from lightning_fuse.fit import FitState
 from lightning_fuse.plan import Plan, Setting, Whole, candidates, for_varying_shapes
 from lightning_fuse.regions import resolve_regions
 from lightning_fuse.running_guard import BEFORE, EAGER, PLAN, RunningGuard, window_speedup
