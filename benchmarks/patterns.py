@@ -234,8 +234,8 @@ def checks(records: list[dict]) -> str:
     :data:`ONE_LINES` where measured (at most :data:`OVER_ONE_LINE`, the zoo's limit; the cell names it), its final
     loss against eager's of as many steps (:data:`LOSS_RTOL`), and for varying lengths its recompiles of one region
     (at most :data:`MOST_RECOMPILES`; a record before ``most_recompiles`` gives the fit's total, an upper bound,
-    starred), the CUDA graphs with buckets (at most one a bucket) and its fit's wall time against eager's plus fuse's compiling
-    (``compile_s``); the bucketed pattern is held to the unbucketed one's eager and one-line fits, on the same
+    starred), the CUDA graphs with buckets (at most one a bucket) and its fit's wall time against eager's plus fuse's
+    compiling (``compile_s``); the bucketed pattern is held to the unbucketed one's eager and one-line fits, on the same
     batches. A one-line fit whose final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses
     (the check still holds fuse to it): on the GPU the one line of ``torch.compile`` left the second optimizer's half
     untrained under ``toggle_optimizer``. A check whose sides were not both measured is left out; the fits that

@@ -82,7 +82,7 @@ def activate_plan(fit: FitState, training: Training, pl_module: pl.LightningModu
         fit.decision_file = _decision_file(fit)
         cached = fit.decision_file.load([p.name for p in fit.candidates]) if fit.decision_file else None
         fit.decision = cached or _search(fit, training, pl_module)
-        plan = next(p for p in fit.candidates if p.name == fit.decision.winner)
+        plan = fit.candidate(fit.decision.winner)
         plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
         announce(fit.decision, training.loggers if training.is_global_zero else [])
         if fit.decision_file is not None and training.is_global_zero:

@@ -305,16 +305,20 @@ class FitState:
         if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
             self.decision_file.forget()
 
+    def candidate(self, name: str) -> Plan | None:
+        """The fit's candidate plan of this name (``None``: none was made)."""
+        return next((plan for plan in self.candidates if plan.name == name), None)
+
     def graphless_successor(self) -> str | None:
         """Where torch's cudagraph trees under the plan met more sizes than they record, the candidate that compiles
         the same without CUDA graphs (:data:`~lightning_fuse.plan.WITHOUT_GRAPHS`), else ``None``."""
         names = WITHOUT_GRAPHS.get(self.plan_name(), ()) if self.plan is not None and self.plan.sizes_full else ()
-        return next((name for name in names if any(plan.name == name for plan in self.candidates)), None)
+        return next((name for name in names if self.candidate(name) is not None), None)
 
     def hand_over(self, successor: str) -> None:
         """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_successor`), its
         optimizers' graphs kept; one line says why."""
-        previous, plan = self.plan_name(), next(plan for plan in self.candidates if plan.name == successor)
+        previous, plan = self.plan_name(), self.candidate(successor)
         rank_zero_info(f"FuseCallback: torch's CUDA graphs under {previous!r} met more input sizes than one fit "
                        "records graphs for, and sizes without a graph run slower than compiled code alone: from "
                        f"step {self.steps} the fit runs {successor!r}, the same compile without graphs (compiled now, "
