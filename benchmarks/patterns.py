@@ -7,8 +7,9 @@ gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start
 epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio, ``trained_share`` the share of the
 trainable parameters the fit changed (:func:`trained_share`). Models: ``llama``
 (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta`` (fuse's plan for
-them is torch's cudagraph trees) for ``accumulate_clip``, and the recipe ``gpt`` with mixture-of-experts MLPs for
-``moe``. On the GPU:
+them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers, each batch padded
+to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs for ``moe``. On
+the GPU:
 
     python benchmarks/patterns.py --patterns all --budget-s 540
     python benchmarks/patterns.py --patterns varying_length --steps 230 --warmup 130 --budget-s 540
@@ -42,6 +43,9 @@ FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall
           "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "speedup_logged", "speedup_low",
           "speedup_high", "eager_step_ms_in_run", "trained_share", "error")  # fmt: skip
 HF, VISION = ("llama",), ("resnet50",)
+ENCODERS = ("bert", "deberta")
+"""Classifiers whose users pad each batch to its longest text (HF's ``DataCollatorWithPadding``); DeBERTa's forward
+copies a tensor from the host (its relative positions)."""
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead", "compile")
@@ -94,8 +98,9 @@ class MoE(nn.Module):
 
 
 def varying_length(copies: int) -> Callable[[models.Task, dict], None]:
-    """Batches padded to their longest sequence, padding masked out, ``copies`` of each of the task's random batches
-    cut to its own length: 4 copies give 16 lengths that come again (a small dataset), 40 each step its own. Each
+    """Batches padded to their longest sequence, padding masked out (and out of a causal LM's labels; a classifier
+    keeps its labels), ``copies`` of each of the task's random batches cut to its own length: 4 copies give 16
+    lengths that come again (a small dataset), 40 each step its own. Each
     batch's longest row is drawn from 1/8 to all of the model's length (so that the batches spread over
     ``pad_buckets``' sizes), its other rows from half that to all of it."""
 
@@ -108,7 +113,7 @@ def varying_length(copies: int) -> Callable[[models.Task, dict], None]:
             lengths[0] = longest
             mask = (torch.arange(longest) < lengths[:, None]).long()
             ids_cut = ids[:, :longest].contiguous()  # as a collator pads them: a slice's strides would recompile
-            labels = ids_cut.masked_fill(mask == 0, -100)
+            labels = batch["labels"] if batch["labels"].dim() == 1 else ids_cut.masked_fill(mask == 0, -100)
             batches.append({"input_ids": ids_cut, "attention_mask": mask, "labels": labels})
         task.data.batches = batches
 
@@ -182,8 +187,8 @@ PATTERNS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Callable, dict]] = {
     "fp16_scaler": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "16-mixed"}),
     "bf16_true": (HF + VISION, ALL_VARIANTS, nothing, {"precision": "bf16-true"}),
     "precompiled": (HF + VISION, ("eager", "fuse"), precompiled, {}),
-    "varying_length": (HF, ALL_VARIANTS, varying_length(4), {}),
-    "varying_length_each": (HF, ALL_VARIANTS, varying_length(40), {}),
+    "varying_length": (HF + ENCODERS, ALL_VARIANTS, varying_length(4), {}),
+    "varying_length_each": (HF + ENCODERS, ALL_VARIANTS, varying_length(40), {}),
     "varying_length_buckets": (HF, ("fuse",), buckets, {}),
     "moe": (("gpt",), ALL_VARIANTS, moe, {}),
 }
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
                 "warmup": warmup, "smoke": args.smoke} for variant in PATTERNS[pattern][1] if variant in wanted]
               for pattern in harness.split(args.patterns, list(PATTERNS))
-              for model, batch in models.regimes(args, HF + VISION + TREES + ("gpt",)) if model in PATTERNS[pattern][0]]
+              for model, batch in models.regimes(args, HF + VISION + TREES + ENCODERS + ("gpt",)) if model in PATTERNS[pattern][0]]
     return harness.run(args, "patterns.py", measure, FIELDS, groups)
 
 
