@@ -226,6 +226,23 @@ def test_patterns_every_pattern(tmp_path: Path, in_process) -> None:
     assert all(r["final_loss"] > 0 for r in records)
 
 
+def test_varying_lengths_cut_a_classifiers_batches_and_keep_its_labels() -> None:
+    pytest.importorskip("transformers")
+    import patterns
+
+    task, _ = models.build("bert", 2, smoke=True, length=2)
+    full = task.data.batches[0]["input_ids"].shape[1]
+    patterns.varying_length(3)(task, {})
+    lengths = {batch["input_ids"].shape[1] for batch in task.data.batches}
+    assert len(task.data.batches) == 3 * models.DISTINCT_BATCHES and max(lengths) <= full
+    for batch in task.data.batches:
+        assert batch["labels"].shape == (2,), "a classifier's labels are one per row, never cut nor masked"
+        assert batch["attention_mask"].shape == batch["input_ids"].shape
+        assert batch["attention_mask"][0].all(), "the first row is the batch's longest"
+    with torch.no_grad():
+        assert task.training_step(task.data.batches[0], 0) > 0
+
+
 def test_a_fuse_pattern_records_plan_and_recompiles(tmp_path: Path, in_process) -> None:
     import patterns
 
