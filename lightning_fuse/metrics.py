@@ -226,6 +226,7 @@ def verdict_line(
     eager_steps: int | None = None,
     reference_steps: int | None = None,
     reference_cost: float | None = None,
+    steps: int | None = None,
 ) -> str:
     """The run in one line: how much faster, with what, and what it cost.
 
@@ -243,8 +244,8 @@ def verdict_line(
         eager_steps: The ``eager_steps`` setting, to say why nothing was measured.
         reference_steps: Timed eager steps in the pooled reference at the end; below :data:`THIN_REFERENCE` the
             line says the reference is thin.
-        reference_cost: The reference's share of the fit's training time; above :data:`REFERENCE_BUDGET` the line
-            names it.
+        reference_cost: The reference's share of the fit's training time, named above :data:`REFERENCE_BUDGET`.
+        steps: The training steps the fit ran: a ``break_even_step`` past them is said to be still to come.
 
     Example::
 
@@ -270,10 +271,24 @@ def verdict_line(
         return f"FuseCallback: {text}x of eager with {plan} (too few reference steps for an interval); {cost}{notes}"
     interval = f"({low_text}-{high_text})"
     if low > 1:
-        paid = f", paid back at step {break_even_step:.0f}" if _known(break_even_step) else ""
-        return f"FuseCallback: {text}x faster {interval} with {plan}; {cost}{paid}{notes}"
+        return f"FuseCallback: {text}x faster {interval} with {plan}; {cost}{_payback(break_even_step, steps)}{notes}"
     judgement = "slower than eager" if high < 1 else "no clear difference from eager"
     return f"FuseCallback: {text}x {interval}, {judgement} with {plan}; {cost}{notes}"
+
+
+def _payback(break_even_step: float | None, steps: int | None) -> str:
+    """When compiling was paid back by the steps it sped up, or will be where the fit ended before that step.
+
+    Example::
+
+        >>> _payback(310, 200), _payback(310, None)
+        (', pays back at step 310 (this fit ran 200)', ', paid back at step 310')
+    """
+    if not _known(break_even_step):
+        return ""
+    if steps is not None and break_even_step > steps:
+        return f", pays back at step {break_even_step:.0f} (this fit ran {steps})"
+    return f", paid back at step {break_even_step:.0f}"
 
 
 def _reference_notes(steps: int | None, cost: float | None) -> str:

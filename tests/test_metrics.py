@@ -90,6 +90,10 @@ def test_the_verdict_of_a_faster_plan_says_how_much_and_when_compile_paid_back()
                history_row(2, "regions + graph", 2.5, 2.4, 2.6)]  # fmt: skip
     line = verdict_line("regions + graph", history, compile_s=31.2, break_even_step=310, device_type="cuda")
     assert line == "FuseCallback: 2.4x faster (2.3-2.5) with regions + graph; compile 31 s, paid back at step 310"
+    at_the_end = verdict_line("regions + graph", history, compile_s=31.2, break_even_step=310, steps=310)
+    assert at_the_end == line, "the step that pays it back is the fit's last: paid back"
+    short = verdict_line("regions + graph", history, compile_s=31.2, break_even_step=310, steps=230)
+    assert short.endswith("compile 31 s, pays back at step 310 (this fit ran 230)"), "a fit that ended before paying"
 
 
 def test_the_verdict_of_a_slower_plan_and_of_one_no_different_from_eager():
