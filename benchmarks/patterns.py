@@ -100,9 +100,9 @@ class MoE(nn.Module):
 def varying_length(copies: int) -> Callable[[models.Task, dict], None]:
     """Batches padded to their longest sequence, padding masked out (and out of a causal LM's labels; a classifier
     keeps its labels), ``copies`` of each of the task's random batches cut to its own length: 4 copies give 16
-    lengths that come again (a small dataset), 40 each step its own. Each
-    batch's longest row is drawn from 1/8 to all of the model's length (so that the batches spread over
-    ``pad_buckets``' sizes), its other rows from half that to all of it."""
+    lengths that come again (a small dataset), 40 each step its own. Each batch's longest row is drawn from 1/8 to
+    all of the model's length (so that the batches spread over ``pad_buckets``' sizes), its other rows from half
+    that to all of it."""
 
     def apply(task: models.Task, spec: dict) -> None:
         batches = []
