@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = harness.split(args.variants, ALL_VARIANTS)
     regimes = models.regimes(args, tuple(dict.fromkeys(HF + VISION + TREES + ENCODERS + ("gpt",))))  # deberta twice
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
-                "warmup": warmup, "smoke": args.smoke} for variant in PATTERNS[pattern][1] if variant in wanted]
+                "warmup": warmup, "smoke": args.smoke} for variant in wanted if variant in PATTERNS[pattern][1]]
               for pattern in harness.split(args.patterns, list(PATTERNS))
               for model, batch in regimes if model in PATTERNS[pattern][0]]
     return harness.run(args, "patterns.py", measure, FIELDS, groups)

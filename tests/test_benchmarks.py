@@ -253,6 +253,16 @@ def test_a_fuse_pattern_records_plan_and_recompiles(tmp_path: Path, in_process) 
     assert record["plan"] and record["recompiles"] is not None
 
 
+def test_patterns_run_the_variants_in_the_order_asked(tmp_path: Path, in_process, monkeypatch) -> None:
+    import patterns
+
+    ran: list[str] = []
+    monkeypatch.setattr(patterns, "measure", lambda spec: ran.append(spec["variant"]) or {})
+    argv = ["--smoke", "--patterns", "moe", "--variants", "compile,eager", "--repeats", "2", "--out"]
+    assert patterns.main([*argv, str(tmp_path / "patterns.jsonl")]) == 0
+    assert ran == ["compile", "eager", "eager", "compile"], "as asked, then reversed: drift falls on both sides"
+
+
 def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     import telemetry
 
