@@ -106,7 +106,8 @@ def parser(doc: str, out: str, *, models: str | None = None, batches: str | None
     if batches:
         p.add_argument("--batches", default=batches, help="small, large or numbers, a comma list")
     if variants:
-        p.add_argument("--variants", default="all", help=f"a comma list of {', '.join(variants)}, or all")
+        p.add_argument("--variants", default="all",
+                       help=f"a comma list of {', '.join(variants)}, or all; they run in this order")
     if steps:
         p.add_argument("--steps", type=int, default=steps, help="training steps (optimizer steps)")
     if warmup:
