@@ -24,6 +24,7 @@ from lightning_fuse.graphs import GraphedModule
 from tests.faults import DropAfterActivation, FakeOptimizerCapture
 from tests.user_models import (
     BF16,
+    FP32,
     STEPS,
     BlockNet,
     ClassifierTask,
@@ -132,6 +133,14 @@ def test_gradient_accumulation_with_clipping(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- sharded parameters
+REPLAYED_ADAM_BF16 = {"rtol": 1e-3, "atol": 1e-4}
+"""A replayed Adam update computes its bias corrections from step counters on the device (float32) where the user's
+computes them on the host (float64): the last bits differ, and a bf16 network's casts carry them on. Over this fit
+the parameters then differ from eager's by up to 5e-5 (0.1%), or not at all, by what ran before in the process (run
+alone, this fit trained otherwise than after another module had set and reset the intra-op thread count, and missed
+fp32's tolerance); without the replay they are equal."""
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="FSDP2 needs torch.distributed")
 @pytest.mark.parametrize(("winner", "mixed"), [("regions", False), ("compile", True)], ids=["regions", "compile-bf16"])
 def test_fsdp2_fully_shard_in_configure_model(monkeypatch, recwarn, winner, mixed):
@@ -154,7 +163,7 @@ def test_fsdp2_fully_shard_in_configure_model(monkeypatch, recwarn, winner, mixe
     assert_plan_ran(cb, winner)
     assert cb.fit.optimizer_graphs[0].replays > 0
     assert not [w for w in recwarn if "fuse/speedup" in str(w.message)]
-    assert_same_training(fused, eager)
+    assert_same_training(fused, eager, **(REPLAYED_ADAM_BF16 if mixed else FP32))
 
 
 # ---------------------------------------------------------------------------------------------- precision
