@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fuse import FuseCallback
+from lightning_fuse.timing import EAGER
 from recipes.models import GPT, resnet18_cifar
 from recipes.tasks import warmup_cosine
 
@@ -366,6 +367,20 @@ def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None =
     elif variant != "eager":
         raise ValueError(f"variant={variant!r} is none of {', '.join(VARIANTS)}")
     return []
+
+
+class ReferenceSteps(pl.Callback):
+    """Which batches of a fit were the FuseCallback's timed eager reference steps once its plan ran (listed after
+    the FuseCallback, it reads the kind that callback gave the step), to read their times and host side from the
+    :class:`harness.StepClock`."""
+
+    def __init__(self, fuse: FuseCallback) -> None:
+        self.fuse, self.reference = fuse, set()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, idx: int) -> None:
+        fit = self.fuse.fit
+        if fit.plan is not None and fit.step_kind == EAGER:
+            self.reference.add(fit.steps)  # the fit's batch index, as the StepClock counts its batches
 
 
 def fuse_info(callbacks: list) -> dict[str, Any]:

@@ -5,11 +5,12 @@ gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start
 ``final_loss`` the mean loss of the last 10 steps, ``recompiles`` FuseCallback's count, ``speedup_logged`` (with
 ``speedup_low``/``speedup_high``, its interval) and ``eager_step_ms_in_run`` what the fuse fit logged for its last
 epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio, ``trained_share`` the share of the
-trainable parameters the fit changed (:func:`trained_share`). Models: ``llama``
-(transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta`` (fuse's plan for
-them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers, each batch padded
-to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs for ``moe``. On
-the GPU:
+trainable parameters the fit changed (:func:`trained_share`), ``cpu_ms`` the main thread's median CPU time a step,
+``step_times`` each timed batch and ``reference_steps`` fuse's eager reference steps among them (:func:`step_times`).
+Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta``
+(fuse's plan for them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers,
+each batch padded to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs
+for ``moe``. On the GPU:
 
     python benchmarks/patterns.py --patterns all --budget-s 540
     python benchmarks/patterns.py --patterns varying_length --steps 230 --warmup 130 --budget-s 540
@@ -41,7 +42,8 @@ from torch.utils.data import DataLoader
 
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
           "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "speedup_logged", "speedup_low",
-          "speedup_high", "eager_step_ms_in_run", "trained_share", "error")  # fmt: skip
+          "speedup_high", "eager_step_ms_in_run", "trained_share", "cpu_ms", "step_times", "reference_steps",
+          "error")  # fmt: skip
 HF, VISION = ("llama",), ("resnet50",)
 ENCODERS = ("bert", "deberta")
 """Classifiers whose users pad each batch to its longest text (HF's ``DataCollatorWithPadding``); DeBERTa's forward
@@ -212,11 +214,28 @@ def measure(spec: dict) -> dict:
         callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], **fuse_kw)
     except TypeError as err:  # an argument this FuseCallback does not have yet
         return {"error": harness.describe(err)}
+    marks = [models.ReferenceSteps(callbacks[0])] if callbacks and spec["variant"] == "fuse" else []
     result = harness.fit(task, DataLoader(task.data, batch_size=None), steps=spec["steps"] * optimizers,
-                         warmup=spec["warmup"], callbacks=callbacks, started=started, **trainer_kw)  # fmt: skip
+                         warmup=spec["warmup"], callbacks=callbacks + marks, started=started, **trainer_kw)  # fmt: skip
     info = models.fuse_info(callbacks)
     trained = trained_share(initial, [param for param in task.parameters() if param.requires_grad])
-    return {**result, **info, **models.logged_speedup(info["history"]), "trained_share": trained}
+    return {**result, **info, **models.logged_speedup(info["history"]), "trained_share": trained,
+            **step_times(result, spec["warmup"], marks[0].reference if marks else set())}
+
+
+def step_times(result: dict, warmup: int, reference: set[int]) -> dict[str, Any]:
+    """Each timed batch's milliseconds in the fit's order (``step_times``, rounded to 0.01), and which of them were
+    the FuseCallback's eager reference steps (``reference_steps``, indexes into ``step_times``): the same batches
+    come in the same order in every variant's fit, so two fits compare batch by batch.
+
+    Example::
+
+        >>> step_times({"epoch_ms": {0: [10.123, 30.0], 1: [11.0]}}, warmup=5, reference={6, 2})
+        {'step_times': [10.12, 30.0, 11.0], 'reference_steps': [1]}
+    """
+    times = [round(ms, 2) for epoch in sorted(result.get("epoch_ms", {})) for ms in result["epoch_ms"][epoch]]
+    return {"step_times": times, "reference_steps": sorted(batch - warmup for batch in reference
+                                                           if 0 <= batch - warmup < len(times))}  # fmt: skip
 
 
 def trained_share(initial: list[Tensor], final: list[Tensor]) -> float:

@@ -126,20 +126,6 @@ def by_position(steps: list[float], chunks: list[int], eager: list[float]) -> li
     return [statistics.median(column) / statistics.median(eager) for column in columns]
 
 
-class ReferenceSteps(pl.Callback):
-    """Which batches of a fit were the FuseCallback's timed eager reference steps once its plan ran (listed after
-    the FuseCallback, it reads the kind that callback gave the step), to read their host side from the
-    :class:`harness.StepClock`."""
-
-    def __init__(self, fuse: FuseCallback) -> None:
-        self.fuse, self.reference = fuse, set()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, idx: int) -> None:
-        fit = self.fuse.fit
-        if fit.plan is not None and fit.step_kind == EAGER:
-            self.reference.add(fit.steps)  # the fit's batch index, as the StepClock counts its batches
-
-
 class HostSpins(pl.Callback):
     """The host's speed for Python (:func:`harness.host_spin_ms`) at moments inside a fit: at the untimed lead-in of
     every reference chunk of ``fuse``, and at the middle batch of every :data:`SPIN_EVERY` that is not a timed
@@ -201,7 +187,7 @@ def blocks_by_spin(readings: list[Reading], epoch_ms: dict[int, list[float]], mo
 
 def chunks_by_spin(readings: list[Reading], fit: dict, steps: int) -> list[list[float]]:
     """``[lead-in spin, median of the chunk's timed steps]`` for each reference chunk of ``fit`` (``steps`` batches
-    an epoch; its ``reference_steps`` marked by :class:`ReferenceSteps`, its ``epoch_ms`` from the StepClock).
+    an epoch; its ``reference_steps`` marked by :class:`models.ReferenceSteps`, its ``epoch_ms`` from the StepClock).
 
     Example::
 
@@ -268,7 +254,7 @@ def measure(spec: dict) -> dict:
         task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps,
                                     fused=spec.get("optimizer", "fused") == "fused")
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
-        marks = [ReferenceSteps(callbacks[0])] if callbacks else []
+        marks = [models.ReferenceSteps(callbacks[0])] if callbacks else []
         host = [HostSpins(callbacks[0] if callbacks else None)] if spec.get("host_spins") else []
         fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks + marks + host,
                                     max_epochs=epochs), **models.fuse_info(callbacks),
