@@ -47,6 +47,8 @@ KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "e
         "data", "scheduler", "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
 ENV = ("device", "torch", "run_started", "command", "commit")
+LIST_CELL = 8
+"""A table shows a list of more values than this (a fit's step times) by its length: the records hold them."""
 STACKS_AT = "HARNESS_STACKS_AT"
 """A child still running at this time (``time.time()``) prints its threads' stacks (:func:`serve`): the budget's
 kill comes :data:`STACKS_GRACE_S` later."""
@@ -509,8 +511,17 @@ def pooled(run: Sequence[dict]) -> dict:
 
 
 def _cell(value: Any) -> str:
+    """A value as a table cell: a list longer than :data:`LIST_CELL` (each step's time, say) by its length only.
+
+    Example::
+
+        >>> _cell(0.01234), _cell([1.0] * 99), _cell(None)
+        ('0.0123', '99 values (in the .jsonl)', '-')
+    """
     if value is None:
         return "-"
+    if isinstance(value, list) and len(value) > LIST_CELL:
+        return f"{len(value)} values (in the .jsonl)"
     if isinstance(value, float):
         return f"{value:.2f}" if abs(value) >= 0.1 else f"{value:.3g}"
     return str(value).replace("|", "/")
