@@ -121,12 +121,14 @@ def run(args: argparse.Namespace, script: str, measure: Callable[[dict], dict], 
         groups: Iterable[Sequence[dict]], launch: Callable[[Runner, dict, dict], dict] | None = None) -> int:
     """A script's main once parsed: the child's side (``--child``), or every job, each with a fresh compile cache.
 
-    ``launch(runner, spec, env)`` replaces the single ``Runner.launch`` of a job (the zoo's cold and warm pair).
+    ``launch(runner, spec, env)`` replaces the single ``Runner.launch`` of a job (the zoo's cold and warm pair),
+    which otherwise weighs the budget by the job's ``variant`` (an eager fit, which compiles nothing, is not skipped
+    for the time a compiled one took).
     """
     if args.child:
         return serve(measure, args.child)
     runner = Runner(args.out, fields, args.budget_s, args.logs)
-    launch = launch or (lambda runner, spec, env: runner.launch(script, spec, env))
+    launch = launch or (lambda runner, spec, env: runner.launch(script, spec, env, kind=spec.get("variant", "")))
     for spec in schedule(groups, args.repeats):
         with cache_env() as (env, cache):
             runner.write({**spec, **launch(runner, {**spec, "cache_dir": cache}, env)})

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -251,6 +252,10 @@ def test_a_fuse_pattern_records_plan_and_recompiles(tmp_path: Path, in_process) 
     (record,) = _records(out)
     _check([record], patterns.FIELDS, 1)
     assert record["plan"] and record["recompiles"] is not None
+    times = record["step_times"]
+    assert times and all(ms > 0 for ms in times) and record["cpu_ms"] > 0
+    assert record["step_ms"] == pytest.approx(statistics.median(times), abs=0.01), "the same steps, in batch order"
+    assert all(0 <= step < len(times) for step in record["reference_steps"])
 
 
 def test_patterns_run_the_variants_in_the_order_asked(tmp_path: Path, in_process, monkeypatch) -> None:
@@ -395,6 +400,16 @@ def test_runner_budget_weighs_each_kind_of_process_by_its_own_kind(tmp_path: Pat
     assert runner.launch(str(script), {"do": "nap"}, kind="cold")["error"] is None  # 3 s of the 5
     assert runner.launch(str(script), {"do": "ok"})["error"] is None  # no warm one yet: it runs
     assert runner.launch(str(script), {"do": "nap"}, kind="cold")["error"].startswith("skipped:")
+
+
+def test_a_run_weighs_the_budget_by_each_jobs_variant(tmp_path: Path, monkeypatch) -> None:
+    """A 200-s compiled fit must not skip the 25-s eager fit after it (it did, twice, on the GPU)."""
+    kinds = []
+    monkeypatch.setattr(harness.Runner, "launch", lambda self, script, spec, env, kind="": kinds.append(kind) or {})
+    args = harness.parser("doc", "x.jsonl", variants=("eager", "fuse")).parse_args(["--out", str(tmp_path / "x")])
+    groups = [[{"model": "m", "variant": "fuse"}, {"model": "m", "variant": "eager"}]]
+    assert harness.run(args, "patterns.py", lambda spec: {}, ("model", "variant"), groups) == 0
+    assert kinds == ["fuse", "eager"]
 
 
 def test_step_clock_keeps_the_host_side_of_each_step() -> None:
