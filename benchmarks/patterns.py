@@ -6,7 +6,9 @@ gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start
 ``speedup_low``/``speedup_high``, its interval) and ``eager_step_ms_in_run`` what the fuse fit logged for its last
 epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio, ``trained_share`` the share of the
 trainable parameters the fit changed (:func:`trained_share`), ``cpu_ms`` the main thread's median CPU time a step,
-``step_times`` each timed batch and ``reference_steps`` fuse's eager reference steps among them (:func:`step_times`).
+``step_times`` each timed batch and ``reference_steps`` fuse's eager reference steps among them (:func:`step_times`),
+and with ``--profile-steps`` the GPU kernels, the GPU's busy share and the host's waits for the device a batch, from
+a profile of the batches before the timed ones (:class:`models.ProfiledSteps`).
 Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta``
 (fuse's plan for them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers,
 each batch padded to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs
@@ -43,7 +45,7 @@ from torch.utils.data import DataLoader
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
           "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "speedup_logged", "speedup_low",
           "speedup_high", "eager_step_ms_in_run", "trained_share", "cpu_ms", "step_times", "reference_steps",
-          "error")  # fmt: skip
+          "kernels_per_step", "gpu_busy_frac", "syncs_per_step", "error")  # fmt: skip
 HF, VISION = ("llama",), ("resnet50",)
 ENCODERS = ("bert", "deberta")
 """Classifiers whose users pad each batch to its longest text (HF's ``DataCollatorWithPadding``); DeBERTa's forward
@@ -215,12 +217,15 @@ def measure(spec: dict) -> dict:
     except TypeError as err:  # an argument this FuseCallback does not have yet
         return {"error": harness.describe(err)}
     marks = [models.ReferenceSteps(callbacks[0])] if callbacks and spec["variant"] == "fuse" else []
+    profiled = [models.ProfiledSteps(spec["warmup"], spec["profile_steps"])] if spec.get("profile_steps") else []
     result = harness.fit(task, DataLoader(task.data, batch_size=None), steps=spec["steps"] * optimizers,
-                         warmup=spec["warmup"], callbacks=callbacks + marks, started=started, **trainer_kw)  # fmt: skip
+                         warmup=spec["warmup"], callbacks=callbacks + marks + profiled, started=started,
+                         **trainer_kw)  # fmt: skip
     info = models.fuse_info(callbacks)
     trained = trained_share(initial, [param for param in task.parameters() if param.requires_grad])
     return {**result, **info, **models.logged_speedup(info["history"]), "trained_share": trained,
-            **step_times(result, spec["warmup"], marks[0].reference if marks else set())}
+            **step_times(result, spec["warmup"], marks[0].reference if marks else set()),
+            **(profiled[0].result if profiled else {})}
 
 
 def step_times(result: dict, warmup: int, reference: set[int]) -> dict[str, Any]:
@@ -393,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "patterns.jsonl", models="all", batches="small", variants=ALL_VARIANTS, steps=100,
                        warmup=30)  # fmt: skip
     p.add_argument("--patterns", default="all", help=f"a comma list of {', '.join(PATTERNS)}, or all")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many batches right before the timed ones (models.ProfiledSteps; CUDA)")
     p.add_argument("--checks", type=Path, help="print the issue's checks over these records (checks), and stop")
     args = p.parse_args(argv)
     if args.checks is not None:
@@ -402,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = harness.split(args.variants, ALL_VARIANTS)
     regimes = models.regimes(args, tuple(dict.fromkeys(HF + VISION + TREES + ENCODERS + ("gpt",))))  # deberta twice
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
-                "warmup": warmup, "smoke": args.smoke} for variant in wanted if variant in PATTERNS[pattern][1]]
+                "warmup": warmup, "smoke": args.smoke, "profile_steps": args.profile_steps}
+               for variant in wanted if variant in PATTERNS[pattern][1]]
               for pattern in harness.split(args.patterns, list(PATTERNS))
               for model, batch in regimes if model in PATTERNS[pattern][0]]
     return harness.run(args, "patterns.py", measure, FIELDS, groups)

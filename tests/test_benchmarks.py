@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
@@ -410,6 +411,20 @@ def test_a_run_weighs_the_budget_by_each_jobs_variant(tmp_path: Path, monkeypatc
     groups = [[{"model": "m", "variant": "fuse"}, {"model": "m", "variant": "eager"}]]
     assert harness.run(args, "patterns.py", lambda spec: {}, ("model", "variant"), groups) == 0
     assert kinds == ["fuse", "eager"]
+
+
+def test_profiled_steps_end_one_batch_before_the_timed_ones(monkeypatch) -> None:
+    """The window opens at its first batch's start and closes at the start of the last untimed batch (warmup - 1)."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the CUDA path, on a CPU
+    profiled, module = models.ProfiledSteps(warmup=6, steps=3), SimpleNamespace(device=torch.device("cuda"))
+    opened = []
+    for batch in range(8):
+        profiled.on_train_batch_start(None, module, None, batch)
+        opened.append(profiled._profiler is not None)
+        torch.ones(4).sum()
+    assert opened == [False, False, True, True, True, False, False, False], "batches 2-4: then batch 5, untimed"
+    assert set(profiled.result) == {"kernels_per_step", "gpu_busy_frac", "syncs_per_step"}
+    assert profiled.result["kernels_per_step"] == 0 and profiled.result["syncs_per_step"] == 0, "no GPU here"
 
 
 def test_step_clock_keeps_the_host_side_of_each_step() -> None:
