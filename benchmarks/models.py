@@ -375,7 +375,15 @@ def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None =
 class ReferenceSteps(pl.Callback):
     """Which batches of a fit were the FuseCallback's timed eager reference steps once its plan ran (listed after
     the FuseCallback, it reads the kind that callback gave the step), to read their times and host side from the
-    :class:`harness.StepClock`."""
+    :class:`harness.StepClock`.
+
+    Example::
+
+        >>> fuse = FuseCallback()
+        >>> marks = ReferenceSteps(fuse)  # Trainer(callbacks=[clock, fuse, marks]); after the fit:
+        >>> marks.reference  # the batch indexes of the timed eager reference steps
+        set()
+    """
 
     def __init__(self, fuse: FuseCallback) -> None:
         self.fuse, self.reference = fuse, set()
