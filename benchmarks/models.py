@@ -9,7 +9,7 @@ network as ``self.model``, AdamW, fused on CUDA) with random batches that move t
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -20,11 +20,10 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
-from torch.profiler import ProfilerActivity
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.profiling import kernel_stats
+from lightning_fuse.profiling import ProfileWindow
 from lightning_fuse.timing import EAGER
 from recipes.models import GPT, resnet18_cifar
 from recipes.tasks import warmup_cosine
@@ -394,14 +393,11 @@ class ReferenceSteps(pl.Callback):
             self.reference.add(fit.steps)  # the fit's batch index, as the StepClock counts its batches
 
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
-"""CUDA runtime calls that make the host wait for the device (``cudaMemcpy`` is the synchronous copy)."""
-
-
 class ProfiledSteps(pl.Callback):
     """Profiles the ``steps`` batches that end one batch before the first timed one (``warmup``), so that no timed
-    batch is profiled: ``kernels_per_step`` and ``gpu_busy_frac`` (:func:`lightning_fuse.profiling.kernel_stats`), and
-    ``syncs_per_step``, the host's waits for the device a batch (:data:`SYNC_CALLS`). CUDA only; else ``{}``.
+    batch is profiled, with FuseCallback's own window (:class:`lightning_fuse.profiling.ProfileWindow`): its
+    ``kernels_per_step``, ``gpu_busy_frac`` and ``syncs_per_step`` (the host's waits for the device) in
+    :attr:`result`. CUDA only; else ``{}``.
 
     Example::
 
@@ -410,28 +406,22 @@ class ProfiledSteps(pl.Callback):
     """
 
     def __init__(self, warmup: int, steps: int) -> None:
-        self.steps, self.first = steps, max(0, warmup - steps - 1)
-        self.result: dict[str, float] = {}
-        self._batch, self._profiler, self._started = 0, None, 0.0
+        self.window, self.first = ProfileWindow(steps), max(0, warmup - steps - 1)
+        self._batch = 0
+
+    @property
+    def result(self) -> dict[str, float]:
+        return dataclasses.asdict(self.window.result) if self.window.done else {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if pl_module.device.type == "cuda" and self._batch in (self.first, self.first + self.steps):
-            torch.cuda.synchronize()  # the window starts on an idle device and ends when its work is done
-            if self._profiler is None and not self.result:
-                self._profiler = torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                self._profiler.__enter__()
-                self._started = time.perf_counter()
-            elif self._profiler is not None:
-                self._finish(time.perf_counter() - self._started)
-        self._batch += 1
+        if pl_module.device.type == "cuda" and self._batch == self.first:
+            self.window.step_start()
 
-    def _finish(self, wall_s: float) -> None:
-        self._profiler.__exit__(None, None, None)
-        stats = kernel_stats(self._profiler, self.steps, wall_s)
-        syncs = sum(event.name in SYNC_CALLS for event in self._profiler.events())
-        self.result = {"kernels_per_step": stats.kernels_per_step, "gpu_busy_frac": stats.gpu_busy_frac,
-                       "syncs_per_step": syncs / self.steps}  # fmt: skip
-        self._profiler = None
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           idx: int) -> None:  # fmt: skip
+        if self.window.active:
+            self.window.step_end()
+        self._batch += 1
 
 
 def fuse_info(callbacks: list) -> dict[str, Any]:

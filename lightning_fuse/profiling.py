@@ -19,10 +19,14 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+"""CUDA runtime calls that make the host wait for the device (``cudaMemcpy`` is the synchronous copy)."""
+
 
 @dataclass
 class KernelStats:
-    """Kernels launched and GPU-busy fraction per profiled step.
+    """Kernels launched, GPU-busy fraction and the host's waits for the device (:data:`SYNC_CALLS`) per profiled
+    step.
 
     Example::
 
@@ -32,6 +36,7 @@ class KernelStats:
 
     kernels_per_step: float
     gpu_busy_frac: float
+    syncs_per_step: float = 0.0
 
 
 class ProfileWindow:
@@ -86,10 +91,13 @@ class ProfileWindow:
 
 
 def kernel_stats(prof: profile, steps: int, wall_s: float) -> KernelStats:
-    """Count the GPU kernels in a finished profile and the share of ``wall_s`` they kept the GPU busy."""
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    """Count the GPU kernels in a finished profile, the share of ``wall_s`` they kept the GPU busy, and the host's
+    synchronising calls."""
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
-    return KernelStats(len(kernels) / steps, min(1.0, busy_us / 1e6 / wall_s) if wall_s > 0 else 0.0)
+    syncs = sum(e.name in SYNC_CALLS for e in events)
+    return KernelStats(len(kernels) / steps, min(1.0, busy_us / 1e6 / wall_s) if wall_s > 0 else 0.0, syncs / steps)
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:

@@ -14,7 +14,7 @@ import torch
 
 import lightning_fuse.timing as timing_module
 from lightning_fuse.interval import speedup_interval
-from lightning_fuse.profiling import _union_us
+from lightning_fuse.profiling import KernelStats, _union_us, kernel_stats
 from lightning_fuse.timing import (
     CHUNK,
     COMPILED,
@@ -456,3 +456,14 @@ def test_summarize_compares_with_the_pooled_reference_and_measures_its_cost():
 def test_kernel_busy_time_is_the_union_of_overlapping_kernels():
     assert _union_us([(0, 10), (5, 12), (20, 25)]) == 17
     assert _union_us([]) == 0
+
+
+def test_kernel_stats_count_kernels_busy_time_and_the_hosts_waits_per_step():
+    def event(name, device, start, end):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [event("gemm", cuda, 0, 400), event("add", cuda, 300, 500), event("cudaStreamSynchronize", cpu, 0, 9),
+              event("cudaMemcpy", cpu, 10, 20), event("cudaMemcpyAsync", cpu, 20, 30)]  # fmt: skip
+    stats = kernel_stats(SimpleNamespace(events=lambda: events), steps=2, wall_s=0.001)
+    assert stats == KernelStats(kernels_per_step=1.0, gpu_busy_frac=0.5, syncs_per_step=1.0), "an async copy waits not"
