@@ -8,7 +8,8 @@ epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio,
 trainable parameters the fit changed (:func:`trained_share`), ``cpu_ms`` the main thread's median CPU time a step,
 ``step_times`` each timed batch and ``reference_steps`` fuse's eager reference steps among them (:func:`step_times`),
 and with ``--profile-steps`` the GPU kernels, the GPU's busy share and the host's waits for the device a batch, from
-a profile of the batches before the timed ones (:class:`models.ProfiledSteps`).
+a profile of the batches before the timed ones (:class:`models.ProfiledSteps`); the variant ``fuse_unsampled``
+(asked by name) is fuse without its GPU sampler thread, to see whether the sampler changes what such a profile reads.
 Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta``
 (fuse's plan for them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers,
 each batch padded to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs
@@ -53,6 +54,9 @@ copies a tensor from the host (its relative positions)."""
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead", "compile")
+SAMPLER_OFF = "fuse_unsampled"
+"""``fuse`` without its NVML sampler thread (``gpu_sample_hz=0``): with ``--profile-steps``, whether the sampler
+changes what a profile of fuse's steps reads. Runs only where asked (not in ``all``) and where ``fuse`` runs."""
 ONE_LINES = ("reduce_overhead", "compile")
 """The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 
@@ -211,12 +215,14 @@ def measure(spec: dict) -> dict:
     task = TwoOptimizers(task) if optimizers == 2 else task
     initial = [param.detach().clone() for param in task.parameters() if param.requires_grad]
     started = time.perf_counter()
+    variant, fuse_kw = spec["variant"], extra.get("fuse", {})
+    if variant == SAMPLER_OFF:
+        variant, fuse_kw = "fuse", {**fuse_kw, "gpu_sample_hz": 0}
     try:
-        fuse_kw = extra.get("fuse", {})
-        callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], **fuse_kw)
+        callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
     except TypeError as err:  # an argument this FuseCallback does not have yet
         return {"error": harness.describe(err)}
-    marks = [models.ReferenceSteps(callbacks[0])] if callbacks and spec["variant"] == "fuse" else []
+    marks = [models.ReferenceSteps(callbacks[0])] if callbacks and variant == "fuse" else []
     profiled = [models.ProfiledSteps(spec["warmup"], spec["profile_steps"])] if spec.get("profile_steps") else []
     result = harness.fit(task, DataLoader(task.data, batch_size=None), steps=spec["steps"] * optimizers,
                          warmup=spec["warmup"], callbacks=callbacks + marks + profiled, started=started,
@@ -394,6 +400,17 @@ def _trains_like(row: dict, eager: dict | None) -> bool | None:
     return math.isclose(row["final_loss"], eager["final_loss"], rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL)
 
 
+def runs(variant: str, variants: tuple[str, ...]) -> bool:
+    """Whether ``variant`` runs for a pattern of these ``variants``: :data:`SAMPLER_OFF` where ``fuse`` does.
+
+    Example::
+
+        >>> runs(SAMPLER_OFF, ("eager", "fuse")), runs("compile", ("eager", "fuse"))
+        (True, False)
+    """
+    return variant in variants or variant == SAMPLER_OFF and "fuse" in variants
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "patterns.jsonl", models="all", batches="small", variants=ALL_VARIANTS, steps=100,
                        warmup=30)  # fmt: skip
@@ -406,11 +423,12 @@ def main(argv: list[str] | None = None) -> int:
         print(checks(harness.read_records(args.checks)))
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
-    wanted = harness.split(args.variants, ALL_VARIANTS)
+    named = (*ALL_VARIANTS, SAMPLER_OFF)
+    wanted = list(ALL_VARIANTS) if args.variants == "all" else harness.split(args.variants, named)
     regimes = models.regimes(args, tuple(dict.fromkeys(HF + VISION + TREES + ENCODERS + ("gpt",))))  # deberta twice
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
                 "warmup": warmup, "smoke": args.smoke, "profile_steps": args.profile_steps}
-               for variant in wanted if variant in PATTERNS[pattern][1]]
+               for variant in wanted if runs(variant, PATTERNS[pattern][1])]
               for pattern in harness.split(args.patterns, list(PATTERNS))
               for model, batch in regimes if model in PATTERNS[pattern][0]]
     return harness.run(args, "patterns.py", measure, FIELDS, groups)
