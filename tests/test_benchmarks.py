@@ -273,21 +273,20 @@ def test_patterns_fuse_unsampled_is_fuse_without_its_sampler_and_only_where_aske
                                                                                  monkeypatch) -> None:  # fmt: skip
     import patterns
 
-    ran: list[str] = []
+    measure, ran = patterns.measure, []
     monkeypatch.setattr(patterns, "measure", lambda spec: ran.append(spec["variant"]) or {})
     out = str(tmp_path / "patterns.jsonl")
     assert patterns.main(["--smoke", "--patterns", "moe,precompiled", "--models", "gpt,llama", "--out", out]) == 0
-    assert patterns.SAMPLER_OFF not in ran, "`all` leaves it out"
+    assert ran == [*patterns.ALL_VARIANTS, "eager", "fuse"], "`all` leaves it out"
     ran.clear()
     argv = ["--smoke", "--patterns", "precompiled", "--models", "llama", "--variants", "compile,fuse_unsampled"]
     assert patterns.main([*argv, "--out", out]) == 0
     assert ran == [patterns.SAMPLER_OFF], "where fuse runs; precompiled has no compile variant"
-    monkeypatch.undo()
     asked: list[tuple[str, dict]] = []
     monkeypatch.setattr(models, "apply_variant", lambda task, variant, *args, **kw: asked.append((variant, kw)) or [])
     spec = {"model": "gpt", "pattern": "moe", "batch_size": 2, "variant": patterns.SAMPLER_OFF, "steps": 4,
             "warmup": 2, "smoke": True, "cache_dir": None}  # fmt: skip
-    record = patterns.measure(spec)
+    record = measure(spec)
     assert asked == [("fuse", {"gpu_sample_hz": 0})] and record["final_loss"] > 0
 
 
