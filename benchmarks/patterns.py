@@ -54,9 +54,11 @@ copies a tensor from the host (its relative positions)."""
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead", "compile")
-SAMPLER_OFF = "fuse_unsampled"
-"""``fuse`` without its NVML sampler thread (``gpu_sample_hz=0``): with ``--profile-steps``, whether the sampler
-changes what a profile of fuse's steps reads. Runs only where asked (not in ``all``) and where ``fuse`` runs."""
+DERIVED = {"fuse_unsampled": ("fuse", {"gpu_sample_hz": 0})}
+"""Variants of this benchmark's own, run only where asked by name (not in ``all``) and where the variant they run
+does: (that variant, its FuseCallback arguments), as ``multi_gpu.DERIVED``. ``fuse_unsampled``: fuse without its
+NVML sampler thread, to see with ``--profile-steps`` whether the sampler changes what a profile of fuse's steps
+reads."""
 ONE_LINES = ("reduce_overhead", "compile")
 """The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 
@@ -215,9 +217,8 @@ def measure(spec: dict) -> dict:
     task = TwoOptimizers(task) if optimizers == 2 else task
     initial = [param.detach().clone() for param in task.parameters() if param.requires_grad]
     started = time.perf_counter()
-    variant, fuse_kw = spec["variant"], extra.get("fuse", {})
-    if variant == SAMPLER_OFF:
-        variant, fuse_kw = "fuse", {**fuse_kw, "gpu_sample_hz": 0}
+    variant, derived_kw = DERIVED.get(spec["variant"], (spec["variant"], {}))
+    fuse_kw = {**extra.get("fuse", {}), **derived_kw}
     try:
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
     except TypeError as err:  # an argument this FuseCallback does not have yet
@@ -400,17 +401,6 @@ def _trains_like(row: dict, eager: dict | None) -> bool | None:
     return math.isclose(row["final_loss"], eager["final_loss"], rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL)
 
 
-def runs(variant: str, variants: tuple[str, ...]) -> bool:
-    """Whether ``variant`` runs for a pattern of these ``variants``: :data:`SAMPLER_OFF` where ``fuse`` does.
-
-    Example::
-
-        >>> runs(SAMPLER_OFF, ("eager", "fuse")), runs("compile", ("eager", "fuse"))
-        (True, False)
-    """
-    return variant in variants or variant == SAMPLER_OFF and "fuse" in variants
-
-
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "patterns.jsonl", models="all", batches="small", variants=ALL_VARIANTS, steps=100,
                        warmup=30)  # fmt: skip
@@ -423,12 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         print(checks(harness.read_records(args.checks)))
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
-    named = (*ALL_VARIANTS, SAMPLER_OFF)
-    wanted = list(ALL_VARIANTS) if args.variants == "all" else harness.split(args.variants, named)
+    wanted = list(ALL_VARIANTS) if args.variants == "all" else harness.split(args.variants, (*ALL_VARIANTS, *DERIVED))
     regimes = models.regimes(args, tuple(dict.fromkeys(HF + VISION + TREES + ENCODERS + ("gpt",))))  # deberta twice
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
                 "warmup": warmup, "smoke": args.smoke, "profile_steps": args.profile_steps}
-               for variant in wanted if runs(variant, PATTERNS[pattern][1])]
+               for variant in wanted if DERIVED.get(variant, (variant,))[0] in PATTERNS[pattern][1]]
               for pattern in harness.split(args.patterns, list(PATTERNS))
               for model, batch in regimes if model in PATTERNS[pattern][0]]
     return harness.run(args, "patterns.py", measure, FIELDS, groups)

@@ -281,10 +281,10 @@ def test_patterns_fuse_unsampled_is_fuse_without_its_sampler_and_only_where_aske
     ran.clear()
     argv = ["--smoke", "--patterns", "precompiled", "--models", "llama", "--variants", "compile,fuse_unsampled"]
     assert patterns.main([*argv, "--out", out]) == 0
-    assert ran == [patterns.SAMPLER_OFF], "where fuse runs; precompiled has no compile variant"
+    assert ran == ["fuse_unsampled"], "where fuse runs; precompiled has no compile variant"
     asked: list[tuple[str, dict]] = []
     monkeypatch.setattr(models, "apply_variant", lambda task, variant, *args, **kw: asked.append((variant, kw)) or [])
-    spec = {"model": "gpt", "pattern": "moe", "batch_size": 2, "variant": patterns.SAMPLER_OFF, "steps": 4,
+    spec = {"model": "gpt", "pattern": "moe", "batch_size": 2, "variant": "fuse_unsampled", "steps": 4,
             "warmup": 2, "smoke": True, "cache_dir": None}  # fmt: skip
     record = measure(spec)
     assert asked == [("fuse", {"gpu_sample_hz": 0})] and record["final_loss"] > 0
