@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from lightning_fuse import FuseCallback
+from lightning_fuse.profiling import device_work
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
@@ -66,8 +67,7 @@ class KernelWindow(pl.Callback):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             self.profiler.__exit__(None, None, None)
-            kernels = [e for e in self.profiler.events()  # GPU work only, not the GPU ranges of host annotations
-                       if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation]  # fmt: skip
+            kernels = device_work(self.profiler.events())
             us = sum(e.time_range.end - e.time_range.start for e in kernels)
             self.floor_ms = us / 1e3 / self.count if kernels else None
             # for the child's log (--logs): where the host time goes (what keeps the GPU idle), and the kernel time

@@ -94,10 +94,17 @@ def kernel_stats(prof: profile, steps: int, wall_s: float) -> KernelStats:
     """Count the GPU kernels in a finished profile, the share of ``wall_s`` they kept the GPU busy, and the host's
     synchronising calls."""
     events = prof.events()
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    kernels = device_work(events)
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     syncs = sum(e.name in SYNC_CALLS for e in events)
     return KernelStats(len(kernels) / steps, min(1.0, busy_us / 1e6 / wall_s) if wall_s > 0 else 0.0, syncs / steps)
+
+
+def device_work(events: list) -> list:
+    """The GPU's own work among a profile's ``events``: its kernels, copies and memsets. Not the GPU ranges the
+    profiler draws for host annotations (``Optimizer.step#AdamW.step``, ``record_function``): such a range spans the
+    first to the last kernel its host code launched, idle gaps included."""
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
