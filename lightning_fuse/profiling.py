@@ -91,8 +91,8 @@ class ProfileWindow:
 
 
 def kernel_stats(prof: profile, steps: int, wall_s: float) -> KernelStats:
-    """Count the GPU kernels in a finished profile, the share of ``wall_s`` they kept the GPU busy, and the host's
-    synchronising calls."""
+    """Count the GPU's own work in a finished profile (:func:`device_work`), the share of ``wall_s`` it kept the GPU
+    busy, and the host's synchronising calls."""
     events = prof.events()
     kernels = device_work(events)
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])

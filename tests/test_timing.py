@@ -464,9 +464,9 @@ def test_kernel_stats_count_kernels_busy_time_and_the_hosts_waits_per_step():
                                is_user_annotation=annotation)  # fmt: skip
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    # the GPU range of a host annotation spans its kernels and the idle gaps between them: neither work nor a kernel
     events = [event("gemm", cuda, 0, 400), event("add", cuda, 300, 500), event("cudaStreamSynchronize", cpu, 0, 9),
               event("cudaMemcpy", cpu, 10, 20), event("cudaMemcpyAsync", cpu, 20, 30),
               event("Optimizer.step#AdamW.step", cuda, 0, 1000, annotation=True)]  # fmt: skip
     stats = kernel_stats(SimpleNamespace(events=lambda: events), steps=2, wall_s=0.001)
     assert stats == KernelStats(kernels_per_step=1.0, gpu_busy_frac=0.5, syncs_per_step=1.0), "an async copy waits not"
-    # the GPU range of a host annotation spans its kernels and the idle gaps between them: neither work nor a kernel
