@@ -396,8 +396,8 @@ class ReferenceSteps(pl.Callback):
 class ProfiledSteps(pl.Callback):
     """Profiles the ``steps`` batches that end one batch before the first timed one (``warmup``), so that no timed
     batch is profiled, with FuseCallback's own window (:class:`lightning_fuse.profiling.ProfileWindow`): its
-    ``kernels_per_step``, ``gpu_busy_frac`` and ``syncs_per_step`` (the host's waits for the device) in
-    :attr:`result`. CUDA only; else ``{}``.
+    ``kernels_per_step``, ``gpu_busy_frac``, ``syncs_per_step`` (the host's waits for the device) and
+    ``gpu_ms_per_step`` (the GPU's own time a step) in :attr:`result`. CUDA only; else ``{}``.
 
     Example::
 

@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
           "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "speedup_logged", "speedup_low",
           "speedup_high", "eager_step_ms_in_run", "trained_share", "cpu_ms", "step_times", "reference_steps",
-          "kernels_per_step", "gpu_busy_frac", "syncs_per_step", "error")  # fmt: skip
+          "kernels_per_step", "gpu_busy_frac", "syncs_per_step", "gpu_ms_per_step", "error")  # fmt: skip
 HF, VISION = ("llama",), ("resnet50",)
 ENCODERS = ("bert", "deberta")
 """Classifiers whose users pad each batch to its longest text (HF's ``DataCollatorWithPadding``); DeBERTa's forward

@@ -95,6 +95,8 @@ class GpuMeters:
             "eager_kernels_per_step": eager.kernels_per_step,
             "gpu_busy_frac": compiled.gpu_busy_frac,
             "eager_gpu_busy_frac": eager.gpu_busy_frac,
+            "gpu_ms_per_step": compiled.gpu_ms_per_step,
+            "eager_gpu_ms_per_step": eager.gpu_ms_per_step,
         }
 
     def stop(self) -> None:

@@ -26,7 +26,8 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 @dataclass
 class KernelStats:
     """Kernels launched, GPU-busy fraction and the host's waits for the device (:data:`SYNC_CALLS`) per profiled
-    step.
+    step, and the GPU's own time a step (``gpu_ms_per_step``: how long the step would take if the host never
+    kept the GPU waiting).
 
     Example::
 
@@ -37,6 +38,7 @@ class KernelStats:
     kernels_per_step: float
     gpu_busy_frac: float
     syncs_per_step: float = 0.0
+    gpu_ms_per_step: float = 0.0
 
 
 class ProfileWindow:
@@ -97,7 +99,8 @@ def kernel_stats(prof: profile, steps: int, wall_s: float) -> KernelStats:
     kernels = device_work(events)
     busy_us = _union_us([(e.time_range.start, e.time_range.end) for e in kernels])
     syncs = sum(e.name in SYNC_CALLS for e in events)
-    return KernelStats(len(kernels) / steps, min(1.0, busy_us / 1e6 / wall_s) if wall_s > 0 else 0.0, syncs / steps)
+    busy_frac = min(1.0, busy_us / 1e6 / wall_s) if wall_s > 0 else 0.0
+    return KernelStats(len(kernels) / steps, busy_frac, syncs / steps, busy_us / 1e3 / steps)
 
 
 def device_work(events: list) -> list:

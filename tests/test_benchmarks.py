@@ -445,7 +445,7 @@ def test_profiled_steps_end_one_batch_before_the_timed_ones(monkeypatch) -> None
         torch.ones(4).sum()
         profiled.on_train_batch_end(None, module, None, None, batch)
     assert opened == [False, False, True, True, True, False, False, False], "batches 2-4: then batch 5, untimed"
-    assert set(profiled.result) == {"kernels_per_step", "gpu_busy_frac", "syncs_per_step"}
+    assert set(profiled.result) == {"kernels_per_step", "gpu_busy_frac", "syncs_per_step", "gpu_ms_per_step"}
     assert profiled.result["kernels_per_step"] == 0 and profiled.result["syncs_per_step"] == 0, "no GPU here"
 
 

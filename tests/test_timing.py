@@ -14,7 +14,8 @@ import torch
 
 import lightning_fuse.timing as timing_module
 from lightning_fuse.interval import speedup_interval
-from lightning_fuse.profiling import KernelStats, _union_us, kernel_stats
+from lightning_fuse.meters import GpuMeters
+from lightning_fuse.profiling import KernelStats, ProfileWindow, _union_us, kernel_stats
 from lightning_fuse.timing import (
     CHUNK,
     COMPILED,
@@ -469,4 +470,16 @@ def test_kernel_stats_count_kernels_busy_time_and_the_hosts_waits_per_step():
               event("cudaMemcpy", cpu, 10, 20), event("cudaMemcpyAsync", cpu, 20, 30),
               event("Optimizer.step#AdamW.step", cuda, 0, 1000, annotation=True)]  # fmt: skip
     stats = kernel_stats(SimpleNamespace(events=lambda: events), steps=2, wall_s=0.001)
-    assert stats == KernelStats(kernels_per_step=1.0, gpu_busy_frac=0.5, syncs_per_step=1.0), "an async copy waits not"
+    expected = KernelStats(kernels_per_step=1.0, gpu_busy_frac=0.5, syncs_per_step=1.0, gpu_ms_per_step=0.25)
+    assert stats == expected, "an async copy waits not"
+
+
+def test_the_kernel_metrics_log_both_windows_once_when_both_are_done():
+    meters = GpuMeters(profiles={COMPILED: ProfileWindow(steps=2), EAGER: ProfileWindow(steps=2)})
+    meters.profiles[COMPILED].result = KernelStats(100.0, 0.8, 1.0, gpu_ms_per_step=4.0)
+    assert meters.kernel_metrics() == {}, "the eager window is still open"
+    meters.profiles[EAGER].result = KernelStats(300.0, 0.4, 2.0, gpu_ms_per_step=6.0)
+    assert meters.kernel_metrics() == {"kernels_per_step": 100.0, "eager_kernels_per_step": 300.0,
+                                       "gpu_busy_frac": 0.8, "eager_gpu_busy_frac": 0.4,
+                                       "gpu_ms_per_step": 4.0, "eager_gpu_ms_per_step": 6.0}  # fmt: skip
+    assert meters.kernel_metrics() == {}, "logged once a fit"
