@@ -394,20 +394,26 @@ class ReferenceSteps(pl.Callback):
 
 
 class ProfiledSteps(pl.Callback):
-    """Profiles the ``steps`` batches that end one batch before the first timed one (``warmup``), so that no timed
-    batch is profiled, with FuseCallback's own window (:class:`lightning_fuse.profiling.ProfileWindow`): its
-    ``kernels_per_step``, ``gpu_busy_frac``, ``syncs_per_step`` (the host's waits for the device) and
-    ``gpu_ms_per_step`` (the GPU's own time a step) in :attr:`result`. CUDA only; else ``{}``.
+    """Profiles ``steps`` batches from the fit's ``first`` (counted from 0) with FuseCallback's own window
+    (:class:`lightning_fuse.profiling.ProfileWindow`): its ``kernels_per_step``, ``gpu_busy_frac``,
+    ``syncs_per_step`` (the host's waits for the device) and ``gpu_ms_per_step`` (the GPU's own time a step) in
+    :attr:`result`. CUDA only; else ``{}``. :meth:`before_timed` places the window so that no timed batch is
+    profiled.
 
     Example::
 
-        >>> ProfiledSteps(warmup=130, steps=6).first
-        123
+        >>> ProfiledSteps(first=200, steps=5).first, ProfiledSteps.before_timed(warmup=130, steps=6).first
+        (200, 123)
     """
 
-    def __init__(self, warmup: int, steps: int) -> None:
-        self.window, self.first = ProfileWindow(steps), max(0, warmup - steps - 1)
+    def __init__(self, first: int, steps: int) -> None:
+        self.window, self.first = ProfileWindow(steps), first
         self._batch = 0
+
+    @classmethod
+    def before_timed(cls, warmup: int, steps: int) -> ProfiledSteps:
+        """The ``steps`` batches that end one batch before the first timed one (``warmup``)."""
+        return cls(max(0, warmup - steps - 1), steps)
 
     @property
     def result(self) -> dict[str, float]:

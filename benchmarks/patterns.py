@@ -224,7 +224,8 @@ def measure(spec: dict) -> dict:
     except TypeError as err:  # an argument this FuseCallback does not have yet
         return {"error": harness.describe(err)}
     marks = [models.ReferenceSteps(callbacks[0])] if callbacks and variant == "fuse" else []
-    profiled = [models.ProfiledSteps(spec["warmup"], spec["profile_steps"])] if spec.get("profile_steps") else []
+    profile_steps = spec.get("profile_steps")
+    profiled = [models.ProfiledSteps.before_timed(spec["warmup"], profile_steps)] if profile_steps else []
     result = harness.fit(task, DataLoader(task.data, batch_size=None), steps=spec["steps"] * optimizers,
                          warmup=spec["warmup"], callbacks=callbacks + marks + profiled, started=started,
                          **trainer_kw)  # fmt: skip

@@ -2,21 +2,22 @@
 
 For the recipe GPT at batch 8, the recipe ResNet-18 at 16 and four zoo models at their small batch, each of
 ``reduce_overhead`` and ``fuse`` (``FuseCallback(eager_steps=0)``: every step compiled) trains 200 steps with an
-LR scheduler stepping every step and ``gradient_clip_val=1.0``; then, in the same fit, ``torch.profiler`` records
-5 more steps: ``floor_ms`` is the sum of the CUDA kernels' durations per step, ``busy_frac`` = floor / step.
+LR scheduler stepping every step and ``gradient_clip_val=1.0``; then, in the same fit, FuseCallback's own profile
+window (:class:`models.ProfiledSteps`) records 5 more steps: ``floor_ms`` is the GPU's own time a step (its
+kernels, copies and memsets, overlaps counted once), ``busy_frac`` = floor / step.
 ``lightning_loop`` is the same fit around :class:`Idle`, a network that costs nothing: its ``step_ms`` is what
 Lightning's loop, the optimizer, the clipping and the scheduler take on this host alone, a step no plan can go
-under inside Lightning.
+under inside Lightning. ``eager_fp32`` is eager in full precision (``32-true``): how far full precision lands from
+eager's ``bf16-mixed``, the tolerance the checks hold ``fuse`` to.
 An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean) and
 ``param_gap``: how far apart the two fits' final parameters are, over how far eager's moved from the shared start
 (0: the same parameters; near 1: as far apart as training moves them). A single run's losses are a weak check: these
-short fits memorise random batches, and eager alone ends 10% apart between processes on the GPU. Each
-child's log (``--logs``) holds the profiled steps' 20 operations that took the most host time, and the 20 that took
-the most kernel time.
+short fits memorise random batches, and eager alone ends 10% apart between processes on the GPU.
 On the GPU:
 
     python benchmarks/whole_step.py --budget-s 540
     python benchmarks/whole_step.py --smoke --models gpt --variants fuse   # CPU: no kernels, floor null
+    python benchmarks/whole_step.py --checks benchmarks/results/whole_step.jsonl   # the issue's checks
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 import time
 from collections.abc import Iterable
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import harness
@@ -35,45 +37,14 @@ import torch
 from torch import nn
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.profiling import device_work
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
-VARIANTS = ("reduce_overhead", "fuse", "lightning_loop")
+VARIANTS = ("reduce_overhead", "fuse", "lightning_loop", "eager_fp32")
 PROFILED = 5
-
-
-class KernelWindow(pl.Callback):
-    """Profiles batches ``[start, start + count)``; ``floor_ms`` is their CUDA kernels' time per step."""
-
-    def __init__(self, start: int, count: int) -> None:
-        self.start, self.count, self.batches = start, count, 0
-        self.profiler: torch.profiler.profile | None = None
-        self.floor_ms: float | None = None
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if self.batches == self.start:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # no earlier step's kernels in the window
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
-        self.batches += 1
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           idx: int) -> None:  # fmt: skip
-        if self.batches == self.start + self.count:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.profiler.__exit__(None, None, None)
-            kernels = device_work(self.profiler.events())
-            us = sum(e.time_range.end - e.time_range.start for e in kernels)
-            self.floor_ms = us / 1e3 / self.count if kernels else None
-            # for the child's log (--logs): where the host time goes (what keeps the GPU idle), and the kernel time
-            averages = self.profiler.key_averages()
-            print(averages.table(sort_by="self_cpu_time_total", row_limit=20))
-            print(averages.table(sort_by="self_device_time_total", row_limit=20))
+TARGETS = {"over_one_line": 0.75, "over_floor": 1.6, "busy": 0.60}
+"""The issue's speed targets: ``fuse`` at most 0.75x ``reduce_overhead``'s step and 1.6x its own floor, and busy at
+least 60% of its step."""
 
 
 class Idle(nn.Module):
@@ -110,7 +81,10 @@ def measure(spec: dict) -> dict:
     eager_end = cpu_copy(task.model.parameters())
     task, loader = build()
     started = time.perf_counter()
-    callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
+    if spec["variant"] == "eager_fp32":
+        callbacks, trainer_kw = [], {**trainer_kw, "precision": "32-true"}
+    else:
+        callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
     result = profiled_fit(task, loader, callbacks, spec["steps"], {**trainer_kw, "started": started})
     fuse = next((callback for callback in callbacks if isinstance(callback, FuseCallback)), None)
     return {**result, "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"],
@@ -119,14 +93,16 @@ def measure(spec: dict) -> dict:
 
 
 def profiled_fit(task: pl.LightningModule, loader: Any, callbacks: list, steps: int, fit_kw: dict) -> dict:
-    """``harness.fit`` with :class:`KernelWindow` after its ``steps`` timed steps: their median ``step_ms`` (the
-    profiled steps are not timed), ``floor_ms`` and ``busy_frac``."""
-    window = KernelWindow(steps, PROFILED)
+    """``harness.fit`` with :data:`PROFILED` profiled steps after its ``steps`` timed ones: their median
+    ``step_ms`` (the profiled steps are not timed), ``floor_ms`` (the profile's ``gpu_ms_per_step``) and
+    ``busy_frac``."""
+    window = models.ProfiledSteps(first=steps, steps=PROFILED)
     result = harness.fit(task, loader, callbacks=[window, *callbacks], **fit_kw)
     timed = result["epoch_ms"].get(0, [])[: steps - fit_kw["warmup"]]
     step_ms = statistics.median(timed) if timed else None
-    busy = window.floor_ms / step_ms if window.floor_ms and step_ms else None
-    return {**result, "step_ms": step_ms, "floor_ms": window.floor_ms, "busy_frac": busy}
+    floor_ms = window.result.get("gpu_ms_per_step")
+    busy = floor_ms / step_ms if floor_ms and step_ms else None
+    return {**result, "step_ms": step_ms, "floor_ms": floor_ms, "busy_frac": busy}
 
 
 def cpu_copy(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -147,10 +123,81 @@ def parameter_gap(start: list[torch.Tensor], eager: list[torch.Tensor], other: l
     return apart / moved if moved else None
 
 
+def checks(records: list[dict]) -> str:
+    """The whole-step issue's checks, as Markdown, over each case's newest rows (``harness.newest_rows``): ``fuse``
+    over ``reduce_overhead`` (at most 0.75), over its own kernel floor (at most 1.6), its busy share (at least 0.60;
+    :data:`TARGETS`), each ratio only where both rows ran on one device; and whether its parameters and final loss
+    lie as close to eager's as full precision's do (``param_gap`` and loss gap at most ``eager_fp32``'s; ``-`` without
+    an ``eager_fp32`` row). ``lightning_loop``'s step, where measured, is the floor Lightning's own loop sets.
+
+    Example::
+
+        >>> row = {"model": "m", "batch_size": 8, "device": "H100", "eager_final_loss": 1.0}
+        >>> rows = [{**row, "variant": "fuse", "step_ms": 3.0, "floor_ms": 2.5, "busy_frac": 0.83, "param_gap": 0.1,
+        ...          "final_loss": 1.01}, {**row, "variant": "reduce_overhead", "step_ms": 5.0},
+        ...         {**row, "variant": "eager_fp32", "step_ms": 9.0, "param_gap": 0.2, "final_loss": 0.98}]
+        >>> print(checks(rows).splitlines()[2])
+        | m | 8 | 3.00 | 5.00 | 2.50 | - | 0.60 | 1.20 | 0.83 | 0.10 / 0.20 | 0.01 / 0.02 | H100 |
+        >>> print(checks(rows).splitlines()[-1])  # doctest: +NORMALIZE_WHITESPACE
+        1 cases, 0 crashed fits; fuse <= 0.75x reduce_overhead in 1 of 1; <= 1.6x its floor in 1 of 1;
+        busy >= 0.60 in 1 of 1; parameters within full precision's gap in 1 of 1, final loss in 1 of 1.
+    """
+    cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "batch_size"))
+    judged = [_case_checks(case, variants) for case, variants in sorted(cases.items(), key=str) if "fuse" in variants]
+    found = harness.judged_values(judged, ("over_one_line", "over_floor", "busy", "params", "loss"))
+    verdicts = (f"fuse <= {TARGETS['over_one_line']}x reduce_overhead in "
+                f"{harness.passing(found['over_one_line'], TARGETS['over_one_line'])}; <= {TARGETS['over_floor']}x "
+                f"its floor in {harness.passing(found['over_floor'], TARGETS['over_floor'])}; busy >= "
+                f"{TARGETS['busy']:.2f} in {harness.passing([busy >= TARGETS['busy'] for busy in found['busy']])}; "
+                f"parameters within full precision's gap in {harness.passing(found['params'])}, final loss in "
+                f"{harness.passing(found['loss'])}.")
+    header = ("| model | batch | fuse ms | reduce_overhead ms | floor ms | Lightning's loop ms | over one line | "
+              "over floor | busy | param_gap: fuse / full precision | loss gap: fuse / full precision | device |")
+    separator = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"
+    return harness.checks_report(header, separator, judged, crashes, verdicts)
+
+
+def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
+    """One case's checks (``None`` where a side is missing or ran on another device than ``fuse``), and its line."""
+    fuse = variants["fuse"]
+    same = {name: row for name, row in variants.items() if row.get("device") == fuse.get("device")}
+    one_line, loop, fp32 = (same.get(name) for name in ("reduce_overhead", "lightning_loop", "eager_fp32"))
+    over_one_line = fuse["step_ms"] / one_line["step_ms"] if one_line else None
+    over_floor = fuse["step_ms"] / fuse["floor_ms"] if fuse.get("floor_ms") else None
+    gaps = {name: _loss_gap(row) for name, row in (("fuse", fuse), ("fp32", fp32)) if row}
+    params = fuse.get("param_gap") <= fp32["param_gap"] if fp32 and None not in (fuse.get("param_gap"),
+                                                                                 fp32.get("param_gap")) else None
+    loss = gaps["fuse"] <= gaps["fp32"] if None not in (gaps.get("fuse"), gaps.get("fp32")) else None
+    cells = [*case, _ms(fuse), _ms(one_line), _number(fuse.get("floor_ms")), _ms(loop), _number(over_one_line),
+             _number(over_floor), _number(fuse.get("busy_frac")),
+             f"{_number(fuse.get('param_gap'))} / {_number(fp32 and fp32.get('param_gap'))}",
+             f"{_number(gaps.get('fuse'))} / {_number(gaps.get('fp32'))}", fuse.get("device") or "-"]  # fmt: skip
+    return {"over_one_line": over_one_line, "over_floor": over_floor, "busy": fuse.get("busy_frac"),
+            "params": params, "loss": loss, "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
+
+
+def _loss_gap(row: dict) -> float | None:
+    """How far a fit's final loss lies from its eager fit's, relative to eager's."""
+    final, eager = row.get("final_loss"), row.get("eager_final_loss")
+    return abs(final / eager - 1) if final is not None and eager else None
+
+
+def _ms(row: dict | None) -> str:
+    return _number(row and row.get("step_ms"))
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "whole_step.jsonl", models="gpt,resnet18,gpt2,resnet50,mobilenet_v3_small,t5",
                        batches="small", variants=VARIANTS, steps=200, warmup=30)  # fmt: skip
+    p.add_argument("--checks", type=Path, help="print the issue's checks over these records, and stop")
     args = p.parse_args(argv)
+    if args.checks:
+        print(checks(harness.read_records(args.checks)))
+        return 0
     steps, warmup = (6, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "batch_size": batch, "variant": variant, "steps": steps, "warmup": warmup,
                 "smoke": args.smoke} for variant in harness.split(args.variants, VARIANTS)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import resource
 import statistics
 import subprocess
@@ -347,14 +348,18 @@ def test_whole_step_and_overhead(tmp_path: Path, in_process) -> None:
     import whole_step
 
     out = tmp_path / "whole_step.jsonl"
-    argv = ["--smoke", "--models", "gpt", "--variants", "fuse,lightning_loop", "--out", str(out)]
+    argv = ["--smoke", "--models", "gpt", "--variants", "fuse,lightning_loop,eager_fp32", "--out", str(out)]
     assert whole_step.main(argv) == 0
-    record, loop = _records(out)
-    _check([record, loop], whole_step.FIELDS, 2)
+    record, loop, fp32 = _records(out)
+    _check([record, loop, fp32], whole_step.FIELDS, 3)
     assert record["step_ms"] > 0 and record["floor_ms"] is None, "no CUDA kernels on CPU"
     assert record["final_loss"] > 0 and record["eager_final_loss"] > 0
     assert 0 <= record["param_gap"] < 0.1, "the same training, compiled or not"
     assert loop["variant"] == "lightning_loop" and 0 < loop["step_ms"] and loop["param_gap"] is None
+    assert fp32["variant"] == "eager_fp32" and fp32["ran"] is None and fp32["param_gap"] < 0.1, "CPU: 32-true twice"
+    report = whole_step.checks([record, loop, fp32]).splitlines()
+    assert report[-1].startswith("1 cases, 0 crashed fits"), report[-1]
+    assert re.search(r"parameters within full precision's gap in [01] of 1, final loss in [01] of 1", report[-1])
     out = tmp_path / "overhead.jsonl"
     assert overhead.main(["--smoke", "--variants", "no_nvml", "--out", str(out)]) == 0
     (record,) = _records(out)
@@ -437,7 +442,7 @@ def test_a_run_weighs_the_budget_by_each_jobs_variant(tmp_path: Path, monkeypatc
 def test_profiled_steps_end_one_batch_before_the_timed_ones(monkeypatch) -> None:
     """The window opens at its first batch's start and closes at the start of the last untimed batch (warmup - 1)."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the CUDA path, on a CPU
-    profiled, module = models.ProfiledSteps(warmup=6, steps=3), SimpleNamespace(device=torch.device("cuda"))
+    profiled, module = models.ProfiledSteps.before_timed(warmup=6, steps=3), SimpleNamespace(device=torch.device("cuda"))
     opened = []
     for batch in range(8):
         profiled.on_train_batch_start(None, module, None, batch)
