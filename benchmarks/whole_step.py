@@ -153,7 +153,8 @@ def checks(records: list[dict]) -> str:
                 f"parameters within full precision's gap in {harness.passing(found['params'])}, final loss in "
                 f"{harness.passing(found['loss'])}.")
     header = ("| model | batch | fuse ms | reduce_overhead ms | floor ms | Lightning's loop ms | over one line | "
-              "over floor | busy | param_gap: fuse / full precision | final loss's gap: fuse / full precision | device |")
+              "over floor | busy | param_gap: fuse / full precision | final loss's gap: fuse / full precision | "
+              "device |")
     separator = "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|"
     return harness.checks_report(header, separator, judged, crashes, verdicts)
 
@@ -165,15 +166,14 @@ def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
     one_line, loop, fp32 = (same.get(name) for name in ("reduce_overhead", "lightning_loop", "eager_fp32"))
     over_one_line = fuse["step_ms"] / one_line["step_ms"] if one_line else None
     over_floor = fuse["step_ms"] / fuse["floor_ms"] if fuse.get("floor_ms") else None
-    gaps = {name: _loss_gap(row) for name, row in (("fuse", fuse), ("fp32", fp32)) if row}
-    params = fuse.get("param_gap") <= fp32["param_gap"] if fp32 and None not in (fuse.get("param_gap"),
-                                                                                 fp32.get("param_gap")) else None
-    tolerance = max(gaps["fp32"], harness.BF16_RTOL) if gaps.get("fp32") is not None else None
-    loss = gaps["fuse"] <= tolerance if None not in (gaps.get("fuse"), tolerance) else None
+    fp32 = fp32 or {}
+    param_gaps = (fuse.get("param_gap"), fp32.get("param_gap"))
+    loss_gaps = (_loss_gap(fuse), _loss_gap(fp32))
+    params = param_gaps[0] <= param_gaps[1] if None not in param_gaps else None
+    loss = loss_gaps[0] <= max(loss_gaps[1], harness.BF16_RTOL) if None not in loss_gaps else None
     cells = [*case, _ms(fuse), _ms(one_line), _number(fuse.get("floor_ms")), _ms(loop), _number(over_one_line),
-             _number(over_floor), _number(fuse.get("busy_frac")),
-             f"{_number(fuse.get('param_gap'))} / {_number(fp32 and fp32.get('param_gap'))}",
-             f"{_number(gaps.get('fuse'), 3)} / {_number(gaps.get('fp32'), 3)}", fuse.get("device") or "-"]  # fmt: skip
+             _number(over_floor), _number(fuse.get("busy_frac")), " / ".join(_number(gap) for gap in param_gaps),
+             " / ".join(_number(gap, 3) for gap in loss_gaps), fuse.get("device") or "-"]  # fmt: skip
     return {"over_one_line": over_one_line, "over_floor": over_floor, "busy": fuse.get("busy_frac"),
             "params": params, "loss": loss, "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
 

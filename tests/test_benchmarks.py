@@ -442,7 +442,8 @@ def test_a_run_weighs_the_budget_by_each_jobs_variant(tmp_path: Path, monkeypatc
 def test_profiled_steps_end_one_batch_before_the_timed_ones(monkeypatch) -> None:
     """The window opens at its first batch's start and closes at the start of the last untimed batch (warmup - 1)."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the CUDA path, on a CPU
-    profiled, module = models.ProfiledSteps.before_timed(warmup=6, steps=3), SimpleNamespace(device=torch.device("cuda"))
+    profiled = models.ProfiledSteps.before_timed(warmup=6, steps=3)
+    module = SimpleNamespace(device=torch.device("cuda"))
     opened = []
     for batch in range(8):
         profiled.on_train_batch_start(None, module, None, batch)
