@@ -468,6 +468,17 @@ def judged_values(judged: Sequence[dict], names: Sequence[str]) -> dict[str, lis
     return {name: [case[name] for case in judged if case[name] is not None] for name in names}
 
 
+def figure(value: float | None, digits: int = 2) -> str:
+    """A checks table's cell: ``value`` to ``digits`` decimals, or ``-`` where there is none.
+
+    Example::
+
+        >>> figure(3.14159), figure(0.0151, 3), figure(None)
+        ('3.14', '0.015', '-')
+    """
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def passing(values: Sequence[Any], limit: float | None = None) -> str:
     """How many of ``values`` pass, as ``"k of n"``: those at most ``limit``, or (no limit) those true.
 

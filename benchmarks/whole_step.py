@@ -171,9 +171,11 @@ def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
     loss_gaps = (_loss_gap(fuse), _loss_gap(fp32))
     params = param_gaps[0] <= param_gaps[1] if None not in param_gaps else None
     loss = loss_gaps[0] <= max(loss_gaps[1], harness.BF16_RTOL) if None not in loss_gaps else None
-    cells = [*case, _ms(fuse), _ms(one_line), _number(fuse.get("floor_ms")), _ms(loop), _number(over_one_line),
-             _number(over_floor), _number(fuse.get("busy_frac")), " / ".join(_number(gap) for gap in param_gaps),
-             " / ".join(_number(gap, 3) for gap in loss_gaps), fuse.get("device") or "-"]  # fmt: skip
+    figure = harness.figure
+    cells = [*case, *(figure(row and row["step_ms"]) for row in (fuse, one_line)), figure(fuse.get("floor_ms")),
+             figure(loop and loop["step_ms"]), figure(over_one_line), figure(over_floor), figure(fuse.get("busy_frac")),
+             " / ".join(map(figure, param_gaps)), " / ".join(figure(gap, 3) for gap in loss_gaps),
+             fuse.get("device") or "-"]  # fmt: skip
     return {"over_one_line": over_one_line, "over_floor": over_floor, "busy": fuse.get("busy_frac"),
             "params": params, "loss": loss, "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
 
@@ -182,14 +184,6 @@ def _loss_gap(row: dict) -> float | None:
     """How far a fit's final loss lies from its eager fit's, relative to eager's."""
     final, eager = row.get("final_loss"), row.get("eager_final_loss")
     return abs(final / eager - 1) if final is not None and eager else None
-
-
-def _ms(row: dict | None) -> str:
-    return _number(row and row.get("step_ms"))
-
-
-def _number(value: float | None, digits: int = 2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def main(argv: list[str] | None = None) -> int:

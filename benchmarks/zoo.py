@@ -107,18 +107,12 @@ def _case_checks(model: str, batch: int, variants: dict[str, dict]) -> dict | No
              "over_best": ratio(fuse["step_ms"], best and best["step_ms"]),
              "cold": ratio(fuse.get("setup_s_cold"), ro and ro.get("setup_s_cold")),
              "warm": ratio(fuse.get("setup_s_warm"), fuse.get("setup_s_cold"))}  # fmt: skip
-    cells = [model, batch, _ms(eager), f"{_ms(best)} ({best['variant']})" if best else "-", _ms(fuse),
-             fuse.get("plan") or "-", *(_ratio(found[name]) for name in ("over_eager", "over_best", "cold")),
-             _ratio(found["warm"]) + (f" ({ro_warm:.2f})" if ro_warm is not None else "")]  # fmt: skip
+    figure = harness.figure
+    cells = [model, batch, figure(eager and eager["step_ms"]),
+             f"{figure(best['step_ms'])} ({best['variant']})" if best else "-", figure(fuse["step_ms"]),
+             fuse.get("plan") or "-", *(figure(found[name]) for name in ("over_eager", "over_best", "cold")),
+             figure(found["warm"]) + (f" ({ro_warm:.2f})" if ro_warm is not None else "")]  # fmt: skip
     return {**found, "line": "| " + " | ".join(map(str, cells)) + " |"}
-
-
-def _ms(row: dict | None) -> str:
-    return f"{row['step_ms']:.2f}" if row is not None else "-"
-
-
-def _ratio(value: float | None) -> str:
-    return f"{value:.2f}" if value is not None else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
