@@ -8,7 +8,8 @@ kernels, copies and memsets, overlaps counted once), ``busy_frac`` = floor / ste
 ``lightning_loop`` is the same fit around :class:`Idle`, a network that costs nothing: its ``step_ms`` is what
 Lightning's loop, the optimizer, the clipping and the scheduler take on this host alone, a step no plan can go
 under inside Lightning. ``eager_fp32`` is eager in full precision (``32-true``): how far full precision lands from
-eager's ``bf16-mixed``, the tolerance the checks hold ``fuse`` to.
+eager's ``bf16-mixed``, the tolerance the checks hold ``fuse`` to. ``fuse_emulated_casts`` is ``fuse`` with inductor
+rounding as eager does (:data:`DERIVED`).
 An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean) and
 ``param_gap``: how far apart the two fits' final parameters are, over how far eager's moved from the shared start
 (0: the same parameters; near 1: as far apart as training moves them). A single run's losses are a weak check: these
@@ -40,7 +41,11 @@ from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
-VARIANTS = ("reduce_overhead", "fuse", "lightning_loop", "eager_fp32")
+DERIVED = {"fuse_emulated_casts": ("fuse", {"options": {"emulate_precision_casts": True}})}
+"""Variants of this benchmark's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
+``fuse_emulated_casts``: inductor rounds each intermediate to bf16 where eager's op would (a fused kernel otherwise
+keeps them in float32): do fuse's parameters then land within full precision's gap of eager's?"""
+VARIANTS = ("reduce_overhead", "fuse", "lightning_loop", "eager_fp32", *DERIVED)
 PROFILED = 5
 TARGETS = {"over_one_line": 0.75, "over_floor": 1.6, "busy": 0.60}
 """The issue's speed targets: ``fuse`` at most 0.75x ``reduce_overhead``'s step and 1.6x its own floor, and busy at
@@ -84,7 +89,8 @@ def measure(spec: dict) -> dict:
     if spec["variant"] == "eager_fp32":
         callbacks, trainer_kw = [], {**trainer_kw, "precision": "32-true"}
     else:
-        callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"], eager_steps=0)
+        variant, fuse_kw = DERIVED.get(spec["variant"], (spec["variant"], {}))
+        callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], eager_steps=0, **fuse_kw)
     result = profiled_fit(task, loader, callbacks, spec["steps"], {**trainer_kw, "started": started})
     fuse = next((callback for callback in callbacks if isinstance(callback, FuseCallback)), None)
     return {**result, "eager_final_loss": eager["final_loss"], "error": result["error"] or eager["error"],

@@ -348,16 +348,17 @@ def test_whole_step_and_overhead(tmp_path: Path, in_process) -> None:
     import whole_step
 
     out = tmp_path / "whole_step.jsonl"
-    argv = ["--smoke", "--models", "gpt", "--variants", "fuse,lightning_loop,eager_fp32", "--out", str(out)]
-    assert whole_step.main(argv) == 0
-    record, loop, fp32 = _records(out)
-    _check([record, loop, fp32], whole_step.FIELDS, 3)
+    variants = "fuse,lightning_loop,eager_fp32,fuse_emulated_casts"
+    assert whole_step.main(["--smoke", "--models", "gpt", "--variants", variants, "--out", str(out)]) == 0
+    record, loop, fp32, emulated = _records(out)
+    _check([record, loop, fp32, emulated], whole_step.FIELDS, 4)
+    assert emulated["variant"] == "fuse_emulated_casts" and emulated["ran"] and emulated["param_gap"] < 0.1
     assert record["step_ms"] > 0 and record["floor_ms"] is None, "no CUDA kernels on CPU"
     assert record["final_loss"] > 0 and record["eager_final_loss"] > 0
     assert 0 <= record["param_gap"] < 0.1, "the same training, compiled or not"
     assert loop["variant"] == "lightning_loop" and 0 < loop["step_ms"] and loop["param_gap"] is None
     assert fp32["variant"] == "eager_fp32" and fp32["ran"] is None and fp32["param_gap"] < 0.1, "CPU: 32-true twice"
-    report = whole_step.checks([record, loop, fp32]).splitlines()
+    report = whole_step.checks([record, loop, fp32, emulated]).splitlines()
     assert report[-1].startswith("1 cases, 0 crashed fits"), report[-1]
     assert re.search(r"parameters within full precision's gap in [01] of 1, final loss in [01] of 1", report[-1])
     out = tmp_path / "overhead.jsonl"
