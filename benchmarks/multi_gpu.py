@@ -269,7 +269,7 @@ def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
              == fuse.get("device") else None for side in ("eager", "compile")}  # fmt: skip
     devices = sorted({str(row.get("device")) for name, row in variants.items() if name in SPEED_VARIANTS})
     cells = [*case, *map(_spread, map(variants.get, SPEED_VARIANTS)), fuse.get("plan") or "-",
-             *(f"{found[side]:.2f}" if found[side] is not None else "-" for side in ("eager", "compile")),
+             *(harness.figure(found[side]) for side in ("eager", "compile")),
              " / ".join(devices)]  # fmt: skip
     return {**found, "mixed": len(devices) > 1, "line": "| " + " | ".join(map(str, cells)) + " |"}
 

@@ -344,8 +344,8 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
              "recompiles": most <= MOST_RECOMPILES if varying and not bucketed and most is not None else None,
              "graphs": fuse.get("graphs", 0) <= len(BUCKETS) if bucketed and fuse.get("graphs") is not None else None,
              "wall": wall[0] <= wall[1] if varying and wall else None, "logged": holds}  # fmt: skip
-    cells = [model, pattern, batch, f"{eager['step_ms']:.2f}" if eager else "-", f"{fuse['step_ms']:.2f}",
-             fuse.get("plan") or "-", f"{over:.2f}" if over is not None else "-",
+    cells = [model, pattern, batch, harness.figure(eager and eager["step_ms"]), harness.figure(fuse["step_ms"]),
+             fuse.get("plan") or "-", harness.figure(over),
              f"{over_line:.2f}{LOSS_OFF if line_off else ''} {one_line['variant']}" if one_line else "-",
              f"{losses[0]:.3g} / {losses[1]:.3g}" if losses else "-",
              f"{most}{star}" if varying and most is not None else "-",
