@@ -33,8 +33,9 @@ NVML sampler);
 ``emulate_precision_casts``: a fused kernel otherwise keeps them in float32), and
 ``fuse_forced_graph`` forces the whole network compiled under one graph without a search
 (``fuse_forced_graph_noref``: and without eager reference steps; ``fuse_forced_compile``: the same schedule with
-no graph; ``fuse_forced_compile_eager_update``: nor the optimizer's), to find which piece moves the losses or the
-time. On a machine with 2 GPUs:
+no graph; ``fuse_forced_compile_eager_update``: nor the optimizer's; ``fuse_forced_compile_unverified``: nor the
+check of its first output against eager; ``fuse_forced_compile_unverified_noref``: nor eager reference steps), to
+find which piece moves the losses or the time. On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
@@ -74,6 +75,11 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "eager_repeat"
            "fuse_forced_compile": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False}),
            "fuse_forced_compile_eager_update": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False,
                                                              "optimizer_graph": False}),
+           "fuse_forced_compile_unverified": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False,
+                                                           "optimizer_graph": False, "verify": False}),
+           "fuse_forced_compile_unverified_noref": ("fuse", {}, {"targets": "full", "mode": "default",
+                                                                 "cuda_graph": False, "optimizer_graph": False,
+                                                                 "verify": False, "eager_steps": 0}),
            "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
                                                     "eager_steps": 0})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
