@@ -245,15 +245,15 @@ class CompiledRegion:
             # an input object the call may change (a KV cache it appends to): running the call twice is not the same
             self._verified.add(mode)
             return self._guarded_call(mode, args, kwargs)
-        try:  # the reference first: nothing may run between the training call and its backward (FSDP2's root)
+        out = self._guarded_call(mode, args, kwargs)
+        if self.fallback_reason is not None:
+            return out
+        try:
             reference = self._eager_reference(args, kwargs)
         except compat.control_flow_errors():
             raise
         except Exception as err:  # noqa: BLE001 - the check's own failure costs the region, never the run
             self.fall_back(f"its first output could not be checked against eager ({describe_error(err)})")
-            return compat.call_uncompiled(module, *args, **kwargs)
-        out = self._guarded_call(mode, args, kwargs)
-        if self.fallback_reason is not None:
             return out
         self._verified.add(mode)
         mismatch = _compare(out, reference)
@@ -263,11 +263,10 @@ class CompiledRegion:
         return compat.call_uncompiled(module, *args, **kwargs)  # its hooks make the call as they made it before
 
     def _eager_reference(self, args: tuple, kwargs: dict) -> Any:
-        """The region's eager output for the call it is about to run compiled: its forward alone, on the call as
-        FuseCallback's own hooks make it (under ``no_grad`` they would leave it as it was); a module FSDP2 shards
-        runs its whole plain call, hooks included, since only its hooks gather its parameters and cast its inputs.
-        It runs before the compiled call: between FSDP2's root forward and its backward, a second call of the root
-        (under ``no_grad``) slowed GPT-2's training on 2x H200 (``benchmarks/RESULTS.md``, forty-sixth session)."""
+        """The region's eager output for the call it just ran compiled: its forward alone, on the call as its hooks
+        made it (they ran once already); a module FSDP2 shards runs its whole plain call, hooks included, since
+        only its hooks gather its parameters and cast its inputs (handed the call as FuseCallback's own hooks made
+        it: under ``no_grad`` they would leave it as it was)."""
         module = self.region.module
         args, kwargs = self.policy.as_called(module, args, kwargs)  # not under no_grad: as the hooks saw it
         with torch.no_grad():
