@@ -59,11 +59,12 @@ import lightning.pytorch as pl
 import models
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from lightning_fuse import compat
 from torch import nn
 
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "data", "scheduler", "variant", "step_ms",
           "step_ms_q1", "step_ms_q3", "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks",
-          "plan", "ran", "search", "error")  # fmt: skip
+          "plan", "ran", "search", "loss_steps", "eager_steps", "error")  # fmt: skip
 DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "eager_repeat": ("eager", {}, {}),
            "eager_deterministic": ("eager", {"deterministic": "warn"}, {}), "eager_exact_reductions": ("eager", {}, {}),
            "fuse_idle": ("fuse", {}, {"targets": []}),
@@ -99,12 +100,22 @@ EPOCHS = 2
 
 
 class RankLosses(pl.Callback):
-    """Every rank's training losses (copied, with no sync per step), gathered on every rank at the fit's end."""
+    """Every rank's training losses (copied, with no sync per step), gathered on every rank at the fit's end, and
+    which steps ran under ``set_stance("force_eager")`` (FuseCallback's eager reference steps)."""
 
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
         self.ranks: list[float] = []
         self.curves: list[list[float]] = []
+        self.eager_steps: list[int] = []
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if compat.active_stance() == "force_eager":
+            self.eager_steps.append(trainer.global_step)
+
+    def rounded(self) -> list[float]:
+        """This rank's loss at every step, to four significant digits."""
+        return [float(f"{loss:.4g}") for loss in torch.stack(self.losses).tolist()] if self.losses else []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
@@ -179,7 +190,8 @@ def measure(spec: dict) -> dict:
                          use_distributed_sampler=False, **device, **trainer_kw)  # fmt: skip
     info = models.fuse_info(callbacks)
     scalars = fuse_scalars(info["history"]) if variant == "fuse" else {}
-    return {**result, **info, **scalars, "loss_ranks": losses.ranks or None, "loss_curves": losses.curves or None}
+    return {**result, **info, **scalars, "loss_ranks": losses.ranks or None, "loss_curves": losses.curves or None,
+            "loss_steps": losses.rounded() or None, "eager_steps": losses.eager_steps or None}
 
 
 def loss_gaps(records: list[dict], against: str = "eager") -> str:
