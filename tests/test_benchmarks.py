@@ -547,7 +547,10 @@ def test_multi_gpu_ddp_on_gloo(cli_runs: dict) -> None:
         curves = record["loss_curves"]
         assert len(curves) == 2 and len(curves[0]) == len(curves[1]) > 1, "every rank's curve, gathered on rank zero"
         assert curves[0][-1] == pytest.approx(record["loss_ranks"][0], rel=0.5)
+        assert record["loss_steps"] == pytest.approx(curves[0], rel=1e-3), "four steps: a block a step, rank zero's"
     full_precision, idle = records
+    assert full_precision["eager_steps"] is None, "no FuseCallback, no step under force_eager"
+    assert idle["eager_steps"] and set(idle["eager_steps"]) <= set(range(4)), "its eager reference steps, by number"
     assert full_precision["variant"] == "eager_fp32" and full_precision["plan"] is None
     assert idle["variant"] == "fuse_idle" and idle["plan"] == "eager", "the callback ran, and compiled nothing"
     assert idle["loss_curves"] == full_precision["loss_curves"], "on CPU both are eager in full precision"
@@ -606,6 +609,28 @@ def test_a_variant_with_matmul_flags_sets_them_for_every_benchmark_that_runs_it(
         assert matmul.allow_bf16_reduced_precision_reduction is False
     finally:
         matmul.allow_bf16_reduced_precision_reduction = before
+
+
+def test_a_variant_that_states_its_flops_leaves_fuse_none_to_count() -> None:
+    import multi_gpu
+
+    task, _ = models.build("gpt", 2, smoke=True, length=1)
+    variant, callbacks, _ = multi_gpu.apply_derived(task, "fuse_uncounted", smoke=True, cache_dir=None)
+    assert variant == "fuse" and len(callbacks) == 1
+    assert task.flops_per_batch > 0, "FuseCallback reads the module's own flops_per_batch and counts nothing"
+
+
+def test_rank_losses_keeps_every_steps_loss_and_names_the_steps_run_under_force_eager() -> None:
+    import multi_gpu
+
+    losses, trainer = multi_gpu.RankLosses(), SimpleNamespace(global_step=0)
+    losses.on_before_optimizer_step(trainer, None, None)
+    with torch.compiler.set_stance("force_eager"):  # as FuseCallback's eager reference steps run
+        trainer.global_step = 1
+        losses.on_before_optimizer_step(trainer, None, None)
+    assert losses.eager_steps == [1]
+    losses.losses = [torch.tensor(1.234567), torch.tensor(0.0123456)]
+    assert losses.rounded() == [1.235, 0.01235], "four significant digits"
 
 
 def test_a_variants_loss_gap_is_held_to_what_full_precision_moves_eager_by() -> None:
