@@ -34,9 +34,8 @@ NVML sampler);
 ``fuse_forced_graph`` forces the whole network compiled under one graph without a search
 (``fuse_forced_graph_noref``: and without eager reference steps; ``fuse_forced_compile``: the same schedule with
 no graph; ``fuse_forced_compile_eager_update``: nor the optimizer's; ``fuse_forced_compile_unverified``: nor the
-check of its first output against eager; ``fuse_forced_compile_unverified_noref``: nor eager reference steps;
-``..._uncounted``, and ``fuse_uncounted``: no FLOPs counted on an eager step), to find which piece moves the losses
-or the time. On a machine with 2 GPUs:
+check of its first output against eager; ``fuse_forced_compile_unverified_noref``: nor eager reference steps), to
+find which piece moves the losses or the time. On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
     python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
@@ -82,18 +81,11 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "eager_repeat"
            "fuse_forced_compile_unverified_noref": ("fuse", {}, {"targets": "full", "mode": "default",
                                                                  "cuda_graph": False, "optimizer_graph": False,
                                                                  "verify": False, "eager_steps": 0}),
-           "fuse_forced_compile_unverified_uncounted": ("fuse", {}, {"targets": "full", "mode": "default",
-                                                                      "cuda_graph": False, "optimizer_graph": False,
-                                                                      "verify": False}),
-           "fuse_uncounted": ("fuse", {}, {}),
            "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
                                                     "eager_steps": 0})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
 TOLERANCES = {"eager": ("eager_fp32", 1.0), "eager_fp32": ("eager", harness.WITHIN_RATIO)}
 """``loss_gaps``'s references whose tolerance another variant's gap sets: (that variant, how many times its gap)."""
-UNCOUNTED = ("fuse_forced_compile_unverified_uncounted", "fuse_uncounted")
-"""Variants whose module states its FLOPs a batch (``flops_per_batch``, a stand-in value), so that FuseCallback
-counts none on an eager step (its MFU is then meaningless)."""
 MATMUL_FLAGS = {"eager_exact_reductions": {"allow_bf16_reduced_precision_reduction": False}}
 """Variants that set ``torch.backends.cuda.matmul`` flags for the whole fit, on every rank."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
@@ -167,8 +159,6 @@ def apply_derived(task: models.Task, name: str, smoke: bool, cache_dir: str | No
         ('eager', [], {'precision': '32-true'})
     """
     variant, trainer_kw, fuse_kw = DERIVED.get(name, (name, {}, {}))
-    if name in UNCOUNTED:
-        task.flops_per_batch = 1.0
     for flag, value in MATMUL_FLAGS.get(name, {}).items():
         setattr(torch.backends.cuda.matmul, flag, value)
     return variant, models.apply_variant(task, variant, smoke, cache_dir, **fuse_kw), trainer_kw

@@ -611,15 +611,6 @@ def test_a_variant_with_matmul_flags_sets_them_for_every_benchmark_that_runs_it(
         matmul.allow_bf16_reduced_precision_reduction = before
 
 
-def test_a_variant_that_states_its_flops_leaves_fuse_none_to_count() -> None:
-    import multi_gpu
-
-    task, _ = models.build("gpt", 2, smoke=True, length=1)
-    variant, callbacks, _ = multi_gpu.apply_derived(task, "fuse_uncounted", smoke=True, cache_dir=None)
-    assert variant == "fuse" and len(callbacks) == 1
-    assert task.flops_per_batch > 0, "FuseCallback reads the module's own flops_per_batch and counts nothing"
-
-
 def test_rank_losses_keeps_every_steps_loss_and_names_the_steps_run_under_force_eager() -> None:
     import multi_gpu
 
