@@ -29,6 +29,9 @@ from recipes.models import GPT, resnet18_cifar
 from recipes.tasks import warmup_cosine
 
 VARIANTS = ("eager", "compile", "reduce_overhead", "regional", "fuse")
+EMULATED_CASTS = {"options": {"emulate_precision_casts": True}}
+"""FuseCallback's arguments for the benchmarks' ``fuse_emulated_casts``: inductor rounds each intermediate to bf16
+where eager's op would (a fused kernel otherwise keeps them in float32)."""
 DISTINCT_BATCHES = 4
 """Random batches per fit, cycled: enough that no step reuses the last one's inputs."""
 

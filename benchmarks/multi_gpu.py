@@ -59,8 +59,9 @@ import lightning.pytorch as pl
 import models
 import torch
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
-from lightning_fuse import compat
 from torch import nn
+
+from lightning_fuse import compat
 
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "data", "scheduler", "variant", "step_ms",
           "step_ms_q1", "step_ms_q3", "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks",
@@ -71,7 +72,7 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "eager_repeat"
            "fuse_idle_unsampled": ("fuse", {}, {"targets": [], "gpu_sample_hz": 0}),
            "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
            "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False}),
-           "fuse_emulated_casts": ("fuse", {}, {"options": {"emulate_precision_casts": True}}),
+           "fuse_emulated_casts": ("fuse", {}, models.EMULATED_CASTS),
            "fuse_forced_graph": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True}),
            "fuse_forced_compile": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False}),
            "fuse_forced_compile_eager_update": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False,

@@ -41,10 +41,10 @@ from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
-DERIVED = {"fuse_emulated_casts": ("fuse", {"options": {"emulate_precision_casts": True}})}
+DERIVED = {"fuse_emulated_casts": ("fuse", models.EMULATED_CASTS)}
 """Variants of this benchmark's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
-``fuse_emulated_casts``: inductor rounds each intermediate to bf16 where eager's op would (a fused kernel otherwise
-keeps them in float32): do fuse's parameters then land within full precision's gap of eager's?"""
+``fuse_emulated_casts`` (:data:`models.EMULATED_CASTS`): do fuse's parameters then land within full precision's gap
+of eager's?"""
 VARIANTS = ("reduce_overhead", "fuse", "lightning_loop", "eager_fp32", *DERIVED)
 PROFILED = 5
 TARGETS = {"over_one_line": 0.75, "over_floor": 1.6, "busy": 0.60}
