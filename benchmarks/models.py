@@ -32,6 +32,9 @@ VARIANTS = ("eager", "compile", "reduce_overhead", "regional", "fuse")
 EMULATED_CASTS = {"options": {"emulate_precision_casts": True}}
 """FuseCallback's arguments for the benchmarks' ``fuse_emulated_casts``: inductor rounds each intermediate to bf16
 where eager's op would (a fused kernel otherwise keeps them in float32)."""
+EAGER_RANDOM = {"options": {"fallback_random": True}}
+"""FuseCallback's arguments for the benchmarks' ``fuse_eager_random``: inductor draws dropout's masks with eager's own
+random ops, from the same generator, instead of its own Philox kernels (which draw other masks from the same seed)."""
 DISTINCT_BATCHES = 4
 """Random batches per fit, cycled: enough that no step reuses the last one's inputs."""
 

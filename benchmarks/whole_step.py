@@ -9,7 +9,7 @@ kernels, copies and memsets, overlaps counted once), ``busy_frac`` = floor / ste
 Lightning's loop, the optimizer, the clipping and the scheduler take on this host alone, a step no plan can go
 under inside Lightning. ``eager_fp32`` is eager in full precision (``32-true``): how far full precision lands from
 eager's ``bf16-mixed``, the tolerance the checks hold ``fuse`` to. ``fuse_emulated_casts`` is ``fuse`` with inductor
-rounding as eager does (:data:`DERIVED`).
+rounding as eager does, ``fuse_eager_random`` ``fuse`` with eager's dropout masks (:data:`DERIVED`).
 An eager fit from the same seed in the same process gives ``eager_final_loss`` (the last 10 steps' mean) and
 ``param_gap``: how far apart the two fits' final parameters are, over how far eager's moved from the shared start
 (0: the same parameters; near 1: as far apart as training moves them). A single run's losses are a weak check: these
@@ -41,10 +41,11 @@ from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
-DERIVED = {"fuse_emulated_casts": ("fuse", models.EMULATED_CASTS)}
+DERIVED = {"fuse_emulated_casts": ("fuse", models.EMULATED_CASTS), "fuse_eager_random": ("fuse", models.EAGER_RANDOM)}
 """Variants of this benchmark's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
-``fuse_emulated_casts`` (:data:`models.EMULATED_CASTS`): do fuse's parameters then land within full precision's gap
-of eager's?"""
+Do fuse's parameters land within full precision's gap of eager's once inductor rounds as eager does
+(``fuse_emulated_casts``, :data:`models.EMULATED_CASTS`), or once dropout draws eager's masks (``fuse_eager_random``,
+:data:`models.EAGER_RANDOM`)?"""
 VARIANTS = ("reduce_overhead", "fuse", "lightning_loop", "eager_fp32", *DERIVED)
 PROFILED = 5
 TARGETS = {"over_one_line": 0.75, "over_floor": 1.6, "busy": 0.60}
