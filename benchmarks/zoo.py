@@ -28,6 +28,10 @@ import models
 
 FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "setup_s_cold",
           "setup_s_warm", "peak_gb", "plan", "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
+DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM)}
+"""Variants of the zoo's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
+``fuse_eager_random`` (:data:`models.EAGER_RANDOM`): what drawing eager's dropout masks costs ``fuse``."""
+VARIANTS = (*models.VARIANTS, *DERIVED)
 ONE_LINERS = ("compile", "reduce_overhead", "regional")
 """The variants a user gets with one line of ``torch.compile``: what ``fuse`` is held to."""
 
@@ -36,7 +40,8 @@ def measure(spec: dict) -> dict:
     """One fit of one variant (in a child process): its step time, setup time, peak memory and plan."""
     task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], spec["steps"])
     started = time.perf_counter()  # the setup clock starts at the variant's own compile call
-    callbacks = models.apply_variant(task, spec["variant"], spec["smoke"], spec["cache_dir"])
+    variant, fuse_kw = DERIVED.get(spec["variant"], (spec["variant"], {}))
+    callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
     result = harness.fit(task, loader, steps=spec["steps"], warmup=spec["warmup"], callbacks=callbacks,
                          started=started)  # fmt: skip
     info = models.fuse_info(callbacks)
@@ -116,7 +121,7 @@ def _case_checks(model: str, batch: int, variants: dict[str, dict]) -> dict | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = harness.parser(__doc__, "zoo.jsonl", models="all", batches="small,large", variants=models.VARIANTS,
+    p = harness.parser(__doc__, "zoo.jsonl", models="all", batches="small,large", variants=VARIANTS,
                        steps=200, warmup=30)  # fmt: skip
     p.add_argument("--cold", default=",".join(models.VARIANTS[1:]),
                    help="variants also run cold (an empty compile cache) for setup_s_cold, a comma list")
@@ -126,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         print(checks(harness.read_records(args.checks)))
         return 0
     steps, warmup = (6, 4) if args.smoke else (args.steps, args.warmup)
-    cold = harness.split(args.cold, models.VARIANTS)
+    cold = harness.split(args.cold, VARIANTS)
     groups = [[{"model": model, "source": models.MODELS[model][0], "batch_size": batch, "variant": variant,
                 "steps": steps, "warmup": warmup, "smoke": args.smoke, "cold": cold}
-               for variant in harness.split(args.variants, models.VARIANTS)] for model, batch in models.regimes(args)]
+               for variant in harness.split(args.variants, VARIANTS)] for model, batch in models.regimes(args)]
     return harness.run(args, "zoo.py", measure, FIELDS, groups, run_variant)
 
 
