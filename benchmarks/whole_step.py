@@ -136,7 +136,9 @@ def checks(records: list[dict]) -> str:
     :data:`TARGETS`), each ratio only where both rows ran on one device; and whether its parameters and final loss
     lie as close to eager's as full precision's do (``param_gap`` at most ``eager_fp32``'s; the final loss's relative
     gap at most ``eager_fp32``'s or bf16's own ``rtol``, ``harness.BF16_RTOL``, as in ``multi_gpu.py``; ``-`` without
-    an ``eager_fp32`` row). ``lightning_loop``'s step, where measured, is the floor Lightning's own loop sets.
+    an ``eager_fp32`` row). Where a ``fuse_eager_random`` row exists (dropout drawing eager's masks), both are judged
+    again with its gaps in fuse's place (in brackets; elsewhere fuse's own stand, as they do without dropout).
+    ``lightning_loop``'s step, where measured, is the floor Lightning's own loop sets.
 
     Example::
 
@@ -145,20 +147,28 @@ def checks(records: list[dict]) -> str:
         ...          "final_loss": 1.015}, {**row, "variant": "reduce_overhead", "step_ms": 5.0},
         ...         {**row, "variant": "eager_fp32", "step_ms": 9.0, "param_gap": 0.2, "final_loss": 0.999}]
         >>> print(checks(rows).splitlines()[2])  # the loss within bf16's rtol, wider than full precision's gap here
-        | m | 8 | 3.00 | 5.00 | 2.50 | - | 0.60 | 1.20 | 0.83 | 0.10 / 0.20 | 0.015 / 0.001 | H100 |
+        | m | 8 | 3.00 | 5.00 | 2.50 | - | 0.60 | 1.20 | 0.83 | 0.100 / 0.200 | 0.015 / 0.001 | H100 |
         >>> print(checks(rows).splitlines()[-1])  # doctest: +NORMALIZE_WHITESPACE
         1 cases, 0 crashed fits; fuse <= 0.75x reduce_overhead in 1 of 1; <= 1.6x its floor in 1 of 1;
-        busy >= 0.60 in 1 of 1; parameters within full precision's gap in 1 of 1, final loss in 1 of 1.
+        busy >= 0.60 in 1 of 1; parameters within full precision's gap in 1 of 1, final loss in 1 of 1; with eager's
+        dropout masks (fuse_eager_random in fuse's place where measured), 1 of 1 and 1 of 1.
+        >>> masks = {"variant": "fuse_eager_random", "step_ms": 3.1, "param_gap": 0.05, "final_loss": 1.001}
+        >>> rows.append({**row, **masks})
+        >>> print(checks(rows).splitlines()[2])  # doctest: +NORMALIZE_WHITESPACE
+        | m | 8 | 3.00 | 5.00 | 2.50 | - | 0.60 | 1.20 | 0.83 | 0.100 [0.050] / 0.200 | 0.015 [0.001] / 0.001 | H100 |
     """
     cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "batch_size"))
     judged = [_case_checks(case, variants) for case, variants in sorted(cases.items(), key=str) if "fuse" in variants]
-    found = harness.judged_values(judged, ("over_one_line", "over_floor", "busy", "params", "loss"))
+    found = harness.judged_values(judged, ("over_one_line", "over_floor", "busy", "params", "loss", "params_masks",
+                                           "loss_masks"))  # fmt: skip
     verdicts = (f"fuse <= {TARGETS['over_one_line']}x reduce_overhead in "
                 f"{harness.passing(found['over_one_line'], TARGETS['over_one_line'])}; <= {TARGETS['over_floor']}x "
                 f"its floor in {harness.passing(found['over_floor'], TARGETS['over_floor'])}; busy >= "
                 f"{TARGETS['busy']:.2f} in {harness.passing([busy >= TARGETS['busy'] for busy in found['busy']])}; "
                 f"parameters within full precision's gap in {harness.passing(found['params'])}, final loss in "
-                f"{harness.passing(found['loss'])}.")
+                f"{harness.passing(found['loss'])}; with eager's dropout masks (fuse_eager_random in fuse's place "
+                f"where measured), {harness.passing(found['params_masks'])} and "
+                f"{harness.passing(found['loss_masks'])}.")
     header = ("| model | batch | fuse ms | reduce_overhead ms | floor ms | Lightning's loop ms | over one line | "
               "over floor | busy | param_gap: fuse / full precision | final loss's gap: fuse / full precision | "
               "device |")
@@ -173,18 +183,32 @@ def _case_checks(case: tuple, variants: dict[str, dict]) -> dict:
     one_line, loop, fp32 = (same.get(name) for name in ("reduce_overhead", "lightning_loop", "eager_fp32"))
     over_one_line = fuse["step_ms"] / one_line["step_ms"] if one_line else None
     over_floor = fuse["step_ms"] / fuse["floor_ms"] if fuse.get("floor_ms") else None
-    fp32 = fp32 or {}
-    param_gaps = (fuse.get("param_gap"), fp32.get("param_gap"))
-    loss_gaps = (_loss_gap(fuse), _loss_gap(fp32))
-    params = param_gaps[0] <= param_gaps[1] if None not in param_gaps else None
-    loss = loss_gaps[0] <= max(loss_gaps[1], harness.BF16_RTOL) if None not in loss_gaps else None
+    fp32, masks = fp32 or {}, same.get("fuse_eager_random") or fuse
+    plain, masked = _within(fuse, fp32), _within(masks, fp32)
+    shown = (fuse,) if masks is fuse else (fuse, masks)
     figure = harness.figure
     cells = [*case, *(figure(row and row["step_ms"]) for row in (fuse, one_line)), figure(fuse.get("floor_ms")),
              figure(loop and loop["step_ms"]), figure(over_one_line), figure(over_floor), figure(fuse.get("busy_frac")),
-             " / ".join(map(figure, param_gaps)), " / ".join(figure(gap, 3) for gap in loss_gaps),
-             fuse.get("device") or "-"]  # fmt: skip
+             _gaps_cell([row.get("param_gap") for row in shown], fp32.get("param_gap")),
+             _gaps_cell([_loss_gap(row) for row in shown], _loss_gap(fp32)), fuse.get("device") or "-"]  # fmt: skip
     return {"over_one_line": over_one_line, "over_floor": over_floor, "busy": fuse.get("busy_frac"),
-            "params": params, "loss": loss, "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
+            "params": plain[0], "loss": plain[1], "params_masks": masked[0], "loss_masks": masked[1],
+            "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
+
+
+def _gaps_cell(gaps: list[float | None], fp32_gap: float | None) -> str:
+    """A gap cell: fuse's, with eager's dropout masks' in brackets where measured, then full precision's."""
+    own, *masked = (harness.figure(gap, 3) for gap in gaps)
+    return f"{own}{''.join(f' [{gap}]' for gap in masked)} / {harness.figure(fp32_gap, 3)}"
+
+
+def _within(row: dict, fp32: dict) -> tuple[bool | None, bool | None]:
+    """Whether a fit's parameters and final loss lie as close to eager's as full precision's do (``None``: a side
+    is missing)."""
+    param_gaps, loss_gaps = (row.get("param_gap"), fp32.get("param_gap")), (_loss_gap(row), _loss_gap(fp32))
+    params = param_gaps[0] <= param_gaps[1] if None not in param_gaps else None
+    loss = loss_gaps[0] <= max(loss_gaps[1], harness.BF16_RTOL) if None not in loss_gaps else None
+    return params, loss
 
 
 def _loss_gap(row: dict) -> float | None:

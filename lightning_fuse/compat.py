@@ -94,6 +94,8 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._dynamo.lookup_backend", "checking a backend name before fit", required=False),
         PrivateAPI("torch._dynamo.exc.InvalidBackend", "checking a backend name before fit", required=False),
         PrivateAPI("torch._inductor.config", "checking inductor options before fit", required=False),
+        PrivateAPI("torch._inductor.list_mode_options", "keeping the user's inductor options in a plan compiled with a "
+                   "mode such as reduce-overhead", required=False),
         PrivateAPI("torch._dynamo.utils.counters", "counting graph breaks and cache hits", required=False),
         PrivateAPI("torch._dynamo.utils.get_compilation_metrics", "reading recompile reasons", required=False),
         PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting cudagraph trees' graphs", required=False),
@@ -583,6 +585,21 @@ def inductor_options() -> dict[str, Any] | None:
         _warn_once("get_config_copy", message)
         return None
     return config.get_config_copy()
+
+
+def mode_options(mode: str) -> dict[str, Any] | None:
+    """The inductor options that ``torch.compile``'s ``mode`` stands for; ``None`` (one warning) if torch moved them.
+
+    Why private: the table lives only in ``torch._inductor.list_mode_options``. torch.compile refuses a mode and
+    options together, so a plan with a mode passes the mode as these options beside the user's.
+
+    Example::
+
+        >>> mode_options("reduce-overhead")
+        {'triton.cudagraphs': True}
+    """
+    list_mode_options = _optional("torch._inductor.list_mode_options", None)
+    return None if list_mode_options is None else dict(list_mode_options(mode))
 
 
 def inductor_option_type(name: str) -> Any:

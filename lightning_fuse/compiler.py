@@ -103,12 +103,16 @@ class RepeatedSizes:
 
 @dataclass
 class CompileOptions:
-    """The arguments passed through to :func:`torch.compile` for every region.
+    """The arguments passed through to :func:`torch.compile` for every region. torch.compile refuses a mode and
+    options together: with both, inductor gets the options the mode stands for with the user's over them, as
+    torch.compile itself applies them (:func:`~lightning_fuse.compat.mode_options`).
 
     Example::
 
         >>> CompileOptions(mode="max-autotune").kwargs()["mode"]
         'max-autotune'
+        >>> CompileOptions(mode="reduce-overhead", options={"fallback_random": True}).kwargs()["options"]
+        {'triton.cudagraphs': True, 'fallback_random': True}
     """
 
     mode: str | None = None
@@ -119,10 +123,17 @@ class CompileOptions:
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
         kwargs = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
-        # torch.compile refuses mode and options together
-        kwargs.update({"options": self.options} if self.options else {"mode": self.mode})
+        kwargs.update(self._mode_or_options())
         kwargs.update(overrides)
         return kwargs
+
+    def _mode_or_options(self) -> dict[str, Any]:
+        if not self.options:
+            return {"mode": self.mode}
+        if self.mode in (None, "default"):
+            return {"options": self.options}
+        implied = compat.mode_options(self.mode) if self.backend == "inductor" else None
+        return {"mode": self.mode} if implied is None else {"options": {**implied, **self.options}}
 
 
 @dataclass

@@ -311,7 +311,7 @@ class Whole(Regions):
 
     def __init__(self, setting: Setting, mode: str | None, graph: bool = False) -> None:
         name, module = setting.target
-        options = replace(setting.options, mode=mode, options=None if mode else setting.options.options)
+        options = replace(setting.options, mode=mode)
         super().__init__(replace(setting, regions=[Region(name, module)], options=options), graph=graph)
         if graph:
             self.name, self.tried_after, self.dominated_by = "compile+graph", "regions+graph", ()
@@ -348,7 +348,7 @@ class RegionTrees(Regions):
     tried_after = "regions+graph"
 
     def __init__(self, setting: Setting) -> None:
-        options = replace(setting.options, mode="reduce-overhead", options=None)
+        options = replace(setting.options, mode="reduce-overhead")
         super().__init__(replace(setting, options=options), graph=False)
         self.name = "regions+trees"
         self.dominated_by = ("compile+graph",)

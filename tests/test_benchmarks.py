@@ -106,10 +106,11 @@ def test_a_compiling_variant_left_out_of_cold_runs_once_and_its_setup_is_the_col
     import zoo
 
     out = tmp_path / "zoo.jsonl"
-    args = ["--smoke", "--models", "gpt", "--batches", "small", "--variants", "fuse", "--cold", "", "--out"]
-    assert zoo.main([*args, str(out)]) == 0
+    args = ["--smoke", "--models", "gpt", "--batches", "small", "--variants", "fuse_eager_random", "--cold", ""]
+    assert zoo.main([*args, "--out", str(out)]) == 0
     (record,) = _records(out)
     assert record["setup_s_cold"] > 0 and record.get("setup_s_warm") is None, "one process, on an empty cache"
+    assert record["variant"] == "fuse_eager_random" and record["plan"], "the zoo's own variant runs fuse"
 
 
 def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows(tmp_path: Path, capsys) -> None:
@@ -360,7 +361,9 @@ def test_whole_step_and_overhead(tmp_path: Path, in_process) -> None:
     assert fp32["variant"] == "eager_fp32" and fp32["ran"] is None and fp32["param_gap"] < 0.1, "CPU: 32-true twice"
     report = whole_step.checks([record, loop, fp32, emulated]).splitlines()
     assert report[-1].startswith("1 cases, 0 crashed fits"), report[-1]
-    assert re.search(r"parameters within full precision's gap in [01] of 1, final loss in [01] of 1", report[-1])
+    assert re.search(r"parameters within full precision's gap in [01] of 1, final loss in [01] of 1; with eager's "
+                     r"dropout masks \(fuse_eager_random in fuse's place where measured\), [01] of 1 and [01] of 1",
+                     report[-1])  # fmt: skip
     out = tmp_path / "overhead.jsonl"
     assert overhead.main(["--smoke", "--variants", "no_nvml", "--out", str(out)]) == 0
     (record,) = _records(out)
@@ -596,6 +599,18 @@ def test_multi_gpus_own_variants_run_a_variant_of_the_zoo_with_settings_fuse_acc
         assert name in multi_gpu.VARIANTS and variant in models.VARIANTS
         assert set(trainer_kw) <= {"precision", "deterministic"}
         FuseOptions(**fuse_kw)  # raises on a setting FuseCallback refuses
+
+
+def test_the_whole_steps_and_the_zoos_own_variants_run_fuse_with_settings_it_accepts() -> None:
+    import whole_step
+    import zoo
+
+    from lightning_fuse.options import FuseOptions
+
+    for benchmark in (whole_step, zoo):
+        for name, (variant, fuse_kw) in benchmark.DERIVED.items():
+            assert name in benchmark.VARIANTS and variant == "fuse"
+            FuseOptions(**fuse_kw)  # raises on a setting FuseCallback refuses
 
 
 def test_a_variant_with_matmul_flags_sets_them_for_every_benchmark_that_runs_it() -> None:

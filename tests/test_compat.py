@@ -118,6 +118,7 @@ def _remove_inductor_config(monkeypatch: pytest.MonkeyPatch) -> None:
         ("torch._dynamo", "maybe_mark_dynamic", lambda: compat.maybe_mark_dynamic(torch.zeros(4, 2), 0), None),
         ("torch._dynamo", "lookup_backend", lambda: compat.is_backend("no-such-backend"), True),
         ("torch._inductor", "config", compat.inductor_options, None),
+        ("torch._inductor", "list_mode_options", lambda: compat.mode_options("reduce-overhead"), None),
         ("torch.cuda", "_get_nvml_device_index", lambda: compat.nvml_device_index(3), 3),
         ("torch._inductor.cudagraph_trees", "get_manager", lambda: compat.cudagraph_tree_stats(0)[0], 0),
     ],

@@ -240,3 +240,15 @@ def test_the_recompile_limit_counts_per_code_object_as_torch_does():
         torch._dynamo.config.automatic_dynamic_shapes = True
         runner.uninstall()
         tracker.remove()
+
+
+def test_a_mode_joins_the_users_inductor_options_as_the_options_it_stands_for(monkeypatch):
+    both = CompileOptions(mode="reduce-overhead", options={"fallback_random": True}).kwargs()
+    assert both["options"] == {"triton.cudagraphs": True, "fallback_random": True} and "mode" not in both
+    overridden = CompileOptions(mode="reduce-overhead", options={"triton.cudagraphs": False}).kwargs()
+    assert overridden["options"] == {"triton.cudagraphs": False}  # the user's win, as in torch.compile
+    other_backend = CompileOptions(backend="aot_eager", mode="reduce-overhead", options={"a": 1}).kwargs()
+    assert other_backend["mode"] == "reduce-overhead" and "options" not in other_backend  # inductor's table only
+    monkeypatch.setattr("lightning_fuse.compat.mode_options", lambda mode: None)  # a torch without the table
+    assert CompileOptions(mode="reduce-overhead", options={"fallback_random": True}).kwargs()["mode"] == (
+        "reduce-overhead")  # fmt: skip

@@ -138,6 +138,16 @@ def test_the_plans_that_run_torchs_cudagraph_trees_are_those_in_a_graphing_mode_
     assert not Whole(setting_for(task), "reduce-overhead").cudagraph_trees  # on CPU inductor records no graphs
 
 
+def test_every_candidate_compiles_with_the_users_inductor_options_those_with_a_mode_too():
+    task = ToyTask()
+    setting = replace(setting_for(task, CUDA), options=CompileOptions(options={"fallback_random": True}))
+    plans = {plan.name: plan for plan in candidates(setting) if plan.name != "eager"}
+    assert {name: plan.setting.options.options for name, plan in plans.items()} == dict.fromkeys(
+        plans, {"fallback_random": True})  # fmt: skip
+    for name in ("reduce-overhead", "regions+trees"):  # torch.compile takes the mode as its options
+        assert plans[name].setting.options.kwargs()["options"] == {"triton.cudagraphs": True, "fallback_random": True}
+
+
 def test_a_plan_installs_and_uninstalls_itself_in_place():
     task = ToyTask()
     plan = Whole(setting_for(task), None)
