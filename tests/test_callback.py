@@ -377,11 +377,11 @@ class DropoutTask(ToyTask):
             block.mlp.insert(2, torch.nn.Dropout(0.3))
 
 
-def test_with_eagers_dropout_masks_the_measured_plan_retraces_eagers_fit():
+def test_with_eagers_dropout_masks_a_compiled_fit_retraces_eagers():
     """Inductor draws dropout's masks with random kernels of its own (without ``fallback_random`` these parameters
-    end 0.14 apart). With it the plan draws eager's from the same generator, and the eager reference steps and the
-    first-output check take none of its numbers: the fit lands on eager's parameters (real inductor). An explicit
-    mode: on a busy CPU the search could keep eager, which would prove nothing."""
+    end 0.14 apart). With it the compiled regions draw eager's from the same generator, and the eager reference steps
+    take none of its numbers: the fit lands on eager's parameters (real inductor). An explicit mode: on a busy CPU
+    the search could keep eager, which would prove nothing."""
     eager_task, _ = fit([], epochs=1, samples=160, task_type=DropoutTask)
     fuse = FuseCallback(mode="default", cache_dir=False, eager_steps=2, options={"fallback_random": True})
     fused_task, _ = fit([fuse], epochs=1, samples=160, task_type=DropoutTask)
