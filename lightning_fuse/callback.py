@@ -76,9 +76,9 @@ class FuseCallback(Callback):
         backend: ``torch.compile`` backend, a name or a callable.
         fullgraph: Passed to ``torch.compile``.
         dynamic: Passed to ``torch.compile``.
-        options: Inductor options passed to ``torch.compile`` (not together with an explicit ``mode``), in every
-            plan the search tries, those with a mode such as reduce-overhead too. ``{"fallback_random": True}``
-            draws eager's dropout masks, so that a fit retraces eager's (inductor's own random kernels draw others).
+        options: Inductor options passed to ``torch.compile`` in every plan, those with a mode such as
+            reduce-overhead too (the mode's own options, the user's over them). ``{"fallback_random": True}`` draws
+            eager's dropout masks, so that a fit retraces eager's (inductor's own random kernels draw others).
         cuda_graph: One CUDA graph over the network's forward and backward: ``"auto"`` (measured), ``True``
             (forced, with the regions) or ``False`` (no plan captures graphs; the rest are measured).
         optimizer_graph: Under a compiled plan on CUDA, capture the optimizer's update (Adam, AdamW, fused SGD),

@@ -99,10 +99,10 @@ class FuseOptions:
             raise TypeError(f"`options` must be a dict of inductor options or None, got {type(self.options).__name__}.")
         if self.options and self.backend == "inductor":
             _check_inductor_options(self.options)
-        if self.options is not None and self.mode not in (AUTO, "default"):
+        if self.options is not None and self.mode not in (AUTO, "default") and self.backend != "inductor":
             raise ValueError(
-                f"`mode={self.mode!r}` and `options` cannot be combined (torch.compile refuses both); put the mode's "
-                "settings into `options`, e.g. options={'triton.cudagraphs': True} for reduce-overhead."
+                f"`mode={self.mode!r}` and `options` combine only with backend='inductor', whose options a mode "
+                f"stands for (torch.compile refuses both); with backend={self.backend!r}, pass one of them."
             )
         _int_at_least("recompile_limit", self.recompile_limit, 1)
         _int_at_least("eager_steps", self.eager_steps, 0)

@@ -146,6 +146,8 @@ def test_every_candidate_compiles_with_the_users_inductor_options_those_with_a_m
         plans, {"fallback_random": True})  # fmt: skip
     for name in ("reduce-overhead", "regions+trees"):  # torch.compile takes the mode as its options
         assert plans[name].setting.options.kwargs()["options"] == {"triton.cudagraphs": True, "fallback_random": True}
+    forced = forced_plan(setting, "max-autotune", "auto").setting.options.kwargs()  # the user's mode and options
+    assert forced["options"]["max_autotune"] is True and forced["options"]["fallback_random"] is True
 
 
 def test_a_plan_installs_and_uninstalls_itself_in_place():

@@ -116,8 +116,8 @@ def test_each_bad_argument_fails_at_construction_naming_it(kwargs, error, match)
         ({"cuda_graph": True, "mode": "max-autotune"}, r"`cuda_graph=True` and `mode='max-autotune'`"),
         ({"cuda_graph": True, "dynamic_dims": {"x": [0]}}, r"`cuda_graph=True` needs static shapes but "
                                                            r"`dynamic_dims` declares varying dims. Use one"),
-        ({"mode": "max-autotune", "options": {"max_autotune": True}}, r"`mode='max-autotune'` and `options` cannot "
-                                                                      r"be combined"),
+        ({"mode": "max-autotune", "options": {"a": 1}, "backend": "aot_eager"}, r"`mode='max-autotune'` and "
+                                                                              r"`options` combine only with backend"),
     ],
     ids=["cuda_graph+reduce-overhead", "cuda_graph+max-autotune", "cuda_graph+dynamic_dims", "mode+options"],
 )
