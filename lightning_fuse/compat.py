@@ -297,14 +297,10 @@ def control_flow_errors() -> tuple[type[BaseException], ...]:
     return (error,) if error is not None else ()
 
 
-_call_impl_checked = False
-
-
+@functools.cache
 def _check_compiled_call_impl() -> None:
-    """Once per process: the slot exists and ``Module.__call__`` really calls what is installed there."""
-    global _call_impl_checked
-    if _call_impl_checked:
-        return
+    """Once per process (again after a failure): the slot exists and ``Module.__call__`` really calls what is
+    installed there."""
     path = "torch.nn.Module._compiled_call_impl"
     _get(path)
     _get("torch.nn.Module._call_impl")
@@ -312,7 +308,6 @@ def _check_compiled_call_impl() -> None:
     probe._compiled_call_impl = lambda *args, **kwargs: marker
     if probe(0) is not marker:
         raise TorchAPIChanged(path, PRIVATE_APIS[path].why, "no longer calls what is installed there")
-    _call_impl_checked = True
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -598,8 +593,7 @@ def mode_options(mode: str) -> dict[str, Any] | None:
         >>> mode_options("reduce-overhead")
         {'triton.cudagraphs': True}
     """
-    list_mode_options = _optional("torch._inductor.list_mode_options", None)
-    return None if list_mode_options is None else dict(list_mode_options(mode))
+    return _optional("torch._inductor.list_mode_options", lambda mode: None)(mode)
 
 
 def inductor_option_type(name: str) -> Any:

@@ -23,7 +23,7 @@ from lightning_fuse.compat import TorchAPIChanged
 def fresh_guards(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each test starts with no warning given yet and the compiled-slot probe not yet run."""
     monkeypatch.setattr(compat, "_warned", set())
-    monkeypatch.setattr(compat, "_call_impl_checked", False)
+    compat._check_compiled_call_impl.cache_clear()
     compat._pytree.cache_clear()
 
 
