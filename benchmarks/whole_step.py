@@ -41,11 +41,13 @@ from lightning_fuse import FuseCallback
 
 FIELDS = ("model", "batch_size", "variant", "step_ms", "floor_ms", "busy_frac", "final_loss", "eager_final_loss",
           "param_gap", "ran", "error")  # fmt: skip
-DERIVED = {"fuse_emulated_casts": ("fuse", models.EMULATED_CASTS), "fuse_eager_random": ("fuse", models.EAGER_RANDOM)}
+DERIVED = {"fuse_emulated_casts": ("fuse", models.EMULATED_CASTS), "fuse_eager_random": ("fuse", models.EAGER_RANDOM),
+           "fuse_eager_random_casts": ("fuse", {"options": {**models.EAGER_RANDOM["options"],
+                                                            **models.EMULATED_CASTS["options"]}})}  # fmt: skip
 """Variants of this benchmark's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
 Do fuse's parameters land within full precision's gap of eager's once inductor rounds as eager does
-(``fuse_emulated_casts``, :data:`models.EMULATED_CASTS`), or once dropout draws eager's masks (``fuse_eager_random``,
-:data:`models.EAGER_RANDOM`)?"""
+(``fuse_emulated_casts``, :data:`models.EMULATED_CASTS`), once dropout draws eager's masks (``fuse_eager_random``,
+:data:`models.EAGER_RANDOM`), or with both (``fuse_eager_random_casts``)?"""
 VARIANTS = ("reduce_overhead", "fuse", "lightning_loop", "eager_fp32", *DERIVED)
 PROFILED = 5
 TARGETS = {"over_one_line": 0.75, "over_floor": 1.6, "busy": 0.60}
