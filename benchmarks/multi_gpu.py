@@ -38,7 +38,7 @@ check of its first output against eager; ``fuse_forced_compile_unverified_noref`
 find which piece moves the losses or the time. On a machine with 2 GPUs:
 
     python benchmarks/multi_gpu.py --models gpt2,resnet50 --strategies ddp,fsdp --budget-s 540
-    python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap
+    python benchmarks/multi_gpu.py --losses benchmarks/results/multi_gpu.jsonl   # each variant's loss gap, fuse's count
     python benchmarks/multi_gpu.py --checks benchmarks/results/multi_gpu.jsonl   # the issue's speed checks
     python benchmarks/multi_gpu.py --models gpt2 --batches small --strategies ddp --data markov --scheduler \
         --variants eager,eager_fp32,fuse   # losses on a fit that learns
@@ -220,33 +220,59 @@ def loss_gaps(records: list[dict], against: str = "eager") -> str:
         >>> print(loss_gaps([*rows, exact], against="eager_exact_reductions").splitlines()[-1])  # eager, fuse, fp32
         | m | ddp | 8 | 0 | random | - | 0.01 (within) | 0.0049 (within) | 0.03 (beyond) |
     """
+    judge, cases = _judged_gaps(records, against)
+    others = [v for v in VARIANTS if v != judge and any(v in gap for _, gap, _ in cases)]
+    header = ["model", "strategy", "batch", "seed", "fit", "device", *filter(None, [judge]), *others]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for case, gap, tolerance in cases:
+        cells = [_figure(gap[v]) + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
+                 if v in gap else "-" for v in others]  # fmt: skip
+        judge_cell = [] if judge is None else [_figure(gap[judge]) if judge in gap else "-"]
+        lines.append("| " + " | ".join([*map(str, case), *judge_cell, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def fuse_within(records: list[dict], against: str = "eager") -> str:
+    """How many cases of :func:`loss_gaps` hold ``fuse`` within its tolerance, all of them and the fits that learn
+    (Markov text), where memorised random batches can reroute any curve.
+
+    Example::
+
+        >>> rows = [{"model": "m", "strategy": "ddp", "batch_size": 8, "variant": v, "loss_curves": [[c, c]]}
+        ...         for v, c in (("eager", 2.0), ("fuse", 2.02), ("eager_fp32", 2.1))]
+        >>> fuse_within(rows)
+        'fuse within in 1 of 1 cases; on fits that learn (Markov text), in 0 of 0.'
+    """
+    judged = [(case[4], gap["fuse"] <= tolerance) for case, gap, tolerance in _judged_gaps(records, against)[1]
+              if "fuse" in gap and tolerance is not None]  # fmt: skip
+    learning = [within for fit, within in judged if fit.startswith("markov")]
+    return (f"fuse within in {harness.passing([within for _, within in judged])} cases; on fits that learn "
+            f"(Markov text), in {harness.passing(learning)}.")
+
+
+def _judged_gaps(records: list[dict], against: str) -> tuple[str | None, list[tuple[tuple, dict, float | None]]]:
+    """:func:`loss_gaps`' judge variant, and each case with an ``against`` curve: its variants' gaps to it and the
+    tolerance they are held to (``None`` where the judge's own curve is missing)."""
     newest: dict[tuple, dict] = {}
     for record in records:
         if record.get("loss_curves"):
             case = (*(record.get(k) for k in ("model", "strategy", "batch_size")), record.get("seed") or 0,
                     _fit(record), record.get("device") or "-")  # fmt: skip
             newest[(*case, record.get("variant"))] = record
-    cases = sorted({key[:6] for key in newest}, key=str)
     judge, scale = TOLERANCES.get(against, (None, 1.0))
-    others = [v for v in VARIANTS if v not in (against, judge) and any(key[6] == v for key in newest)]
-    header = ["model", "strategy", "batch", "seed", "fit", "device", *filter(None, [judge]), *others]
-    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    for case in cases:
+    judged = []
+    for case in sorted({key[:6] for key in newest}, key=str):
         reference = newest.get((*case, against))
         if reference is None:
             continue
-        gap = {v: _gap(newest[(*case, v)]["loss_curves"], reference["loss_curves"]) for v in [judge, *others]
-               if (*case, v) in newest}  # fmt: skip
-        judged = gap.get(judge)
+        gap = {key[6]: _gap(record["loss_curves"], reference["loss_curves"]) for key, record in newest.items()
+               if key[:6] == case and key[6] != against}  # fmt: skip
         if judge is None:
             tolerance = harness.BF16_RTOL
         else:
-            tolerance = None if judged is None else max(harness.BF16_RTOL, scale * judged)
-        cells = [_figure(gap[v]) + ("" if tolerance is None else " (within)" if gap[v] <= tolerance else " (beyond)")
-                 if v in gap else "-" for v in others]  # fmt: skip
-        judge_cell = [] if judge is None else ["-" if judged is None else _figure(judged)]
-        lines.append("| " + " | ".join([*map(str, case), *judge_cell, *cells]) + " |")
-    return "\n".join(lines)
+            tolerance = max(harness.BF16_RTOL, scale * gap[judge]) if judge in gap else None
+        judged.append((case, gap, tolerance))
+    return judge, judged
 
 
 def checks(records: list[dict]) -> str:
@@ -333,9 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.losses:
         records = harness.read_records(args.losses)
-        print(f"Against eager:\n\n{loss_gaps(records)}\n")
-        print(f"Against full precision:\n\n{loss_gaps(records, against='eager_fp32')}\n")
-        print(f"Against eager with float32 reductions:\n\n{loss_gaps(records, against='eager_exact_reductions')}")
+        for title, against in (("eager", "eager"), ("full precision", "eager_fp32"),
+                               ("eager with float32 reductions", "eager_exact_reductions")):
+            print(f"Against {title}:\n\n{loss_gaps(records, against)}\n\n{fuse_within(records, against)}\n")
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     groups = [[{"model": model, "strategy": strategy, "world_size": 2, "batch_size": batch, "variant": variant,

@@ -675,6 +675,20 @@ def test_a_variant_closer_to_full_precision_than_eager_is_within_against_full_pr
     assert against_fp32[-1] == "| gpt | ddp | 8 | 0 | random | - | 0.20 | 0.50 (beyond) | 0.05 (within) |"
 
 
+def test_fuse_within_counts_the_cases_that_judge_fuse_and_the_fits_that_learn_apart() -> None:
+    import multi_gpu
+
+    curves = {"random": {"eager": 2.4, "eager_fp32": 2.0, "fuse": 3.0}, "markov": {"eager": 2.4, "eager_fp32": 2.0,
+                                                                                  "fuse": 2.1}}  # fmt: skip
+    records = [{"model": "gpt", "strategy": "ddp", "batch_size": 8, "variant": variant, "loss_curves": [[4.0, end]],
+                **({"data": "markov"} if fit == "markov" else {})}
+               for fit, ends in curves.items() for variant, end in ends.items()]  # fmt: skip
+    records.append({**records[-1], "model": "vit"})  # no eager of its own: nothing to judge it by
+    assert multi_gpu.fuse_within(records, "eager_fp32") == (
+        "fuse within in 1 of 2 cases; on fits that learn (Markov text), in 1 of 1.")  # fmt: skip
+    assert multi_gpu.fuse_within(records) == "fuse within in 1 of 2 cases; on fits that learn (Markov text), in 1 of 1."
+
+
 def test_where_eager_and_full_precision_agree_closer_than_bf16_a_gap_within_bf16s_tolerance_is_within() -> None:
     import multi_gpu
 
