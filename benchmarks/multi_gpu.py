@@ -66,6 +66,9 @@ from lightning_fuse import compat
 FIELDS = ("model", "strategy", "world_size", "batch_size", "seed", "data", "scheduler", "variant", "step_ms",
           "step_ms_q1", "step_ms_q3", "final_loss", "loss_ranks", "loss_curves", "speedup_logged", "gpu_util_ranks",
           "plan", "ran", "search", "loss_steps", "eager_steps", "error")  # fmt: skip
+FORCED_COMPILE = {"targets": "full", "mode": "default", "cuda_graph": False}
+"""FuseCallback's arguments that force the whole network compiled, with no search (the ``fuse_forced_*`` variants)."""
+FORCED_GRAPH = {**FORCED_COMPILE, "cuda_graph": True}
 DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "eager_repeat": ("eager", {}, {}),
            "eager_deterministic": ("eager", {"deterministic": "warn"}, {}), "eager_exact_reductions": ("eager", {}, {}),
            "fuse_idle": ("fuse", {}, {"targets": []}),
@@ -73,17 +76,14 @@ DERIVED = {"eager_fp32": ("eager", {"precision": "32-true"}, {}), "eager_repeat"
            "fuse_no_graph": ("fuse", {}, {"cuda_graph": False}),
            "fuse_no_optimizer_graph": ("fuse", {}, {"optimizer_graph": False}),
            "fuse_emulated_casts": ("fuse", {}, models.EMULATED_CASTS),
-           "fuse_forced_graph": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True}),
-           "fuse_forced_compile": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False}),
-           "fuse_forced_compile_eager_update": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False,
-                                                             "optimizer_graph": False}),
-           "fuse_forced_compile_unverified": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": False,
-                                                           "optimizer_graph": False, "verify": False}),
-           "fuse_forced_compile_unverified_noref": ("fuse", {}, {"targets": "full", "mode": "default",
-                                                                 "cuda_graph": False, "optimizer_graph": False,
+           "fuse_forced_graph": ("fuse", {}, FORCED_GRAPH),
+           "fuse_forced_compile": ("fuse", {}, FORCED_COMPILE),
+           "fuse_forced_compile_eager_update": ("fuse", {}, {**FORCED_COMPILE, "optimizer_graph": False}),
+           "fuse_forced_compile_unverified": ("fuse", {}, {**FORCED_COMPILE, "optimizer_graph": False,
+                                                           "verify": False}),
+           "fuse_forced_compile_unverified_noref": ("fuse", {}, {**FORCED_COMPILE, "optimizer_graph": False,
                                                                  "verify": False, "eager_steps": 0}),
-           "fuse_forced_graph_noref": ("fuse", {}, {"targets": "full", "mode": "default", "cuda_graph": True,
-                                                    "eager_steps": 0})}  # fmt: skip
+           "fuse_forced_graph_noref": ("fuse", {}, {**FORCED_GRAPH, "eager_steps": 0})}  # fmt: skip
 """Variants of this benchmark's own: (the variant they run, its Trainer arguments, its FuseCallback arguments)."""
 TOLERANCES = {"eager": ("eager_fp32", 1.0), "eager_fp32": ("eager", harness.WITHIN_RATIO)}
 """``loss_gaps``'s references whose tolerance another variant's gap sets: (that variant, how many times its gap)."""
@@ -253,20 +253,20 @@ def fuse_within(records: list[dict], against: str = "eager") -> str:
 def _judged_gaps(records: list[dict], against: str) -> tuple[str | None, list[tuple[tuple, dict, float | None]]]:
     """:func:`loss_gaps`' judge variant, and each case with an ``against`` curve: its variants' gaps to it and the
     tolerance they are held to (``None`` where the judge's own curve is missing)."""
-    newest: dict[tuple, dict] = {}
+    newest: dict[tuple, dict[str, dict]] = {}  # each case's newest record of each variant
     for record in records:
         if record.get("loss_curves"):
             case = (*(record.get(k) for k in ("model", "strategy", "batch_size")), record.get("seed") or 0,
                     _fit(record), record.get("device") or "-")  # fmt: skip
-            newest[(*case, record.get("variant"))] = record
+            newest.setdefault(case, {})[record.get("variant")] = record
     judge, scale = TOLERANCES.get(against, (None, 1.0))
     judged = []
-    for case in sorted({key[:6] for key in newest}, key=str):
-        reference = newest.get((*case, against))
+    for case, variants in sorted(newest.items(), key=lambda item: str(item[0])):
+        reference = variants.get(against)
         if reference is None:
             continue
-        gap = {key[6]: _gap(record["loss_curves"], reference["loss_curves"]) for key, record in newest.items()
-               if key[:6] == case and key[6] != against}  # fmt: skip
+        gap = {variant: _gap(record["loss_curves"], reference["loss_curves"]) for variant, record in variants.items()
+               if variant != against}  # fmt: skip
         if judge is None:
             tolerance = harness.BF16_RTOL
         else:
