@@ -190,22 +190,22 @@ class Runner:
         with self._output(script) as out:  # written as the child runs: a killed call's log still holds its output
             out.write(f"{argv}\n")
             out.flush()
-            stacks = {STACKS_AT: f"{time.time() + left - STACKS_GRACE_S:.1f}"}
-            proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **(env or {}), **stacks}, text=True,
-                                    start_new_session=True, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+            stacks_at = time.time() + left - STACKS_GRACE_S
+            child_env = {**os.environ, **(env or {}), STACKS_AT: f"{stacks_at:.1f}"}
+            proc = subprocess.Popen(argv, cwd=ROOT, env=child_env, text=True, start_new_session=True, stdout=out,
+                                    stderr=subprocess.STDOUT)  # fmt: skip
             try:
                 proc.wait(timeout=left)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)  # the whole group: DDP ranks and compile workers too
                 proc.wait()
-                proc.returncode = None
             out.seek(0)
             lines = out.read().splitlines()
         self.longest[kind] = max(longest, time.monotonic() - start)
         records = [json.loads(line[len(RECORD) :]) for line in lines if line.startswith(RECORD)]
         if records:
             return records[-1]
-        if proc.returncode is None:
+        if time.time() >= stacks_at:  # killed at the budget, or brought down by dumping its stacks just before
             return {"error": f"killed: ran past the time budget ({left:.0f} s)"}
         tail = ([line for line in lines[1:] if line.strip()] or ["no output"])[-1]
         return {"error": f"process died (exit code {proc.returncode}): {tail}"[:300]}

@@ -377,6 +377,9 @@ spec = json.loads(sys.argv[2])
 if spec["do"] == "hang":
     faulthandler.dump_traceback_later(float(os.environ["HARNESS_STACKS_AT"]) - time.time())  # as harness.serve
     time.sleep(60)
+if spec["do"] == "dump_and_die":  # a DDP rank can crash as its stacks are dumped, and take the others down
+    time.sleep(max(float(os.environ["HARNESS_STACKS_AT"]) - time.time(), 0) + 0.5)
+    os.kill(os.getpid(), 9)
 if spec["do"] == "raise":
     raise RuntimeError("broken variant")
 if spec["do"] == "die":
@@ -421,6 +424,15 @@ def test_runner_keeps_the_output_and_the_stacks_of_a_child_it_kills(tmp_path: Pa
     (log,) = (tmp_path / "logs").iterdir()
     assert log.name == "001-child.log"
     assert "Thread" in log.read_text() and "child.py" in log.read_text(), "the hung child's stack"
+
+
+def test_runner_calls_a_child_that_dies_after_its_stacks_were_dumped_a_budget_kill(tmp_path: Path) -> None:
+    """On 2 GPUs a rank died of its stack dump at the budget's end, and Lightning killed the other: said as such."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    runner = harness.Runner(tmp_path / "out.jsonl", ("error",), budget_s=4)
+    error = runner.launch(str(script), {"do": "dump_and_die"})["error"]
+    assert error.startswith("killed: ran past the time budget"), error
 
 
 def test_runner_budget_weighs_each_kind_of_process_by_its_own_kind(tmp_path: Path) -> None:
