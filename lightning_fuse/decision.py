@@ -72,21 +72,36 @@ class Decision:
     winner: str
     trials: list[Trial] = field(default_factory=list)
     cached: bool = False
+    baseline_again: Trial | None = None
+    """The baseline timed once more after the other candidates (``None`` where none of them was timed): how far
+    the machine's own speed moved while they were tried, which the comparisons with its first timing cannot see."""
 
     def lines(self) -> list[str]:
-        """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40  chosen``."""
-        width = max(len(t.name) for t in self.trials)
-        times = [t.timing() for t in self.trials]
+        """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40  chosen``, and the baseline's
+        second timing where there is one.
+
+        Example::
+
+            >>> again = Trial("eager again", 3.3, "after the candidates: 1.10x its first timing")
+            >>> Decision("eager", [Trial("eager", 3.0, "chosen")], baseline_again=again).lines()[-1]
+            'eager again     3.30 ms  after the candidates: 1.10x its first timing'
+        """
+        shown = [*self.trials, *filter(None, [self.baseline_again])]
+        width = max(len(t.name) for t in shown)
+        times = [t.timing() for t in shown]
         span = max(11, *map(len, times))
-        return [f"{t.name:<{width}} {ms:<{span}}  {t.outcome}" for t, ms in zip(self.trials, times)]
+        return [f"{t.name:<{width}} {ms:<{span}}  {t.outcome}" for t, ms in zip(shown, times)]
 
     def to_json(self) -> str:
-        return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials]})
+        again = asdict(self.baseline_again) if self.baseline_again else None
+        return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials], "baseline_again": again})
 
     @classmethod
     def from_json(cls, text: str) -> Decision:
         data = json.loads(text)
-        return cls(data["winner"], [Trial(**t) for t in data["trials"]], cached=True)
+        again = data.get("baseline_again")  # absent from the files of earlier versions
+        return cls(data["winner"], [Trial(**t) for t in data["trials"]], cached=True,
+                   baseline_again=Trial(**again) if again else None)  # fmt: skip
 
 
 def decision_key(recorded: Any, varying_dims: Collection[int], world_size: int) -> str:

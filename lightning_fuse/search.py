@@ -12,7 +12,9 @@ where the host's noise hides the difference, switching would be a gamble, and th
 whose median is ahead but not clearly is tried once more, and the second trial decides: one slow call among its
 few (a CUDA graph recorded a call late, say) is enough to turn the test. With several processes every rank
 measures, a candidate that fails on any rank is dropped on all, and rank zero's timings decide
-(:class:`Consensus`). The decision can be stored with the compile cache, so a warm run goes straight to the winner
+(:class:`Consensus`). When the other candidates are done, the baseline is timed once more (``eager again``): the
+decision stands on its first timing, and the second tells how far the machine's own speed moved while the others
+were tried. The decision can be stored with the compile cache, so a warm run goes straight to the winner
 (:mod:`~lightning_fuse.decision`).
 
 Example::
@@ -136,7 +138,19 @@ class PlanSearch:
             trial.outcome = "chosen" if trial is winner else f"slower than {winner.name}"
             if trial not in eligible and trial.ms < winner.ms:
                 trial.outcome = f"not clearly faster than {trials[0].name}: within its noise"
-        return Decision(winner.name, trials)
+        return Decision(winner.name, trials, baseline_again=self._baseline_again(call, trials))
+
+    def _baseline_again(self, call: Callable[[], None], trials: list[Trial]) -> Trial | None:
+        """The baseline timed once more, after the candidates that were timed (``None`` where none was): the
+        decision stands on its first timing; how far the second lies from it is how far the machine drifted."""
+        first = trials[0]
+        if first.ms is None or all(t.ms is None for t in trials[1:]):
+            return None
+        again = self._trial(self.candidates[0], call)
+        if again.ms is None:
+            return Trial(f"{first.name} again", outcome=again.outcome)
+        return Trial(f"{first.name} again", again.ms, f"after the candidates: {again.ms / first.ms:.2f}x its first "
+                     "timing", slowest=again.slowest)  # fmt: skip
 
     def _beats_baseline(self, trial: Trial, trials: list[Trial]) -> bool:
         baseline = trials[0]
