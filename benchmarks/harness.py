@@ -168,7 +168,7 @@ class Runner:
         budget_s: Seconds for the whole run. A job is skipped when less is left than the longest process of its
             kind so far took (``kind``: a cold compile is not a warm one), and killed (with its process group) when
             it runs past the end.
-        logs: Keep each child's stdout and stderr there.
+        logs: Keep each child's stdout and stderr there, numbered on from the logs already in it.
     """
 
     def __init__(self, out: Path, fields: Sequence[str], budget_s: float, logs: Path | None = None) -> None:
@@ -176,7 +176,7 @@ class Runner:
         self.deadline = time.monotonic() + budget_s
         self.longest: dict[str, float] = {}
         self.env = environment()
-        self.launched = 0
+        self.launched = len(list(logs.glob("*.log"))) if logs and logs.is_dir() else 0  # numbered on, never over
 
     def launch(self, script: str, spec: dict, env: dict[str, str] | None = None, kind: str = "") -> dict:
         """Run ``python script --child spec``; its record, or one whose ``error`` says why there is none."""

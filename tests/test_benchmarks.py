@@ -426,6 +426,16 @@ def test_runner_keeps_the_output_and_the_stacks_of_a_child_it_kills(tmp_path: Pa
     assert "Thread" in log.read_text() and "child.py" in log.read_text(), "the hung child's stack"
 
 
+def test_a_second_runner_on_the_same_logs_folder_keeps_the_first_ones_logs(tmp_path: Path) -> None:
+    """Two commands of one device call wrote 001-multi_gpu.log each, and the second's replaced the first's."""
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    for _ in range(2):
+        harness.Runner(tmp_path / "out.jsonl", ("error",), budget_s=30, logs=tmp_path / "logs").launch(
+            str(script), {"do": "ok"})
+    assert sorted(log.name for log in (tmp_path / "logs").iterdir()) == ["001-child.log", "002-child.log"]
+
+
 def test_runner_calls_a_child_that_dies_after_its_stacks_were_dumped_a_budget_kill(tmp_path: Path) -> None:
     """On 2 GPUs a rank died of its stack dump at the budget's end, and Lightning killed the other: said as such."""
     script = tmp_path / "child.py"
