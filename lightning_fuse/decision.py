@@ -75,6 +75,9 @@ class Decision:
     baseline_again: Trial | None = None
     """The baseline timed once more after the other candidates (``None`` where none of them was timed): how far
     the machine's own speed moved while they were tried, which the comparisons with its first timing cannot see."""
+    side_by_side: list[Trial] = field(default_factory=list)
+    """Where the machine's speed moved beyond the search's limit: each timed candidate timed again between two
+    timings of the baseline, named ``<candidate> beside <baseline>``, which the decision stands on."""
 
     def lines(self) -> list[str]:
         """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40  chosen``, and the baseline's
@@ -86,7 +89,7 @@ class Decision:
             >>> Decision("eager", [Trial("eager", 3.0, "chosen")], baseline_again=again).lines()[-1]
             'eager again     3.30 ms  after the candidates: 1.10x its first timing'
         """
-        shown = [*self.trials, *filter(None, [self.baseline_again])]
+        shown = [*self.trials, *filter(None, [self.baseline_again]), *self.side_by_side]
         width = max(len(t.name) for t in shown)
         times = [t.timing() for t in shown]
         span = max(11, *map(len, times))
@@ -94,14 +97,16 @@ class Decision:
 
     def to_json(self) -> str:
         again = asdict(self.baseline_again) if self.baseline_again else None
-        return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials], "baseline_again": again})
+        return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials], "baseline_again": again,
+                           "side_by_side": [asdict(t) for t in self.side_by_side]})  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Decision:
         data = json.loads(text)
-        again = data.get("baseline_again")  # absent from the files of earlier versions
+        again = data.get("baseline_again")  # absent from the files of earlier versions, as is side_by_side
         return cls(data["winner"], [Trial(**t) for t in data["trials"]], cached=True,
-                   baseline_again=Trial(**again) if again else None)  # fmt: skip
+                   baseline_again=Trial(**again) if again else None,
+                   side_by_side=[Trial(**t) for t in data.get("side_by_side", [])])  # fmt: skip
 
 
 def decision_key(recorded: Any, varying_dims: Collection[int], world_size: int) -> str:

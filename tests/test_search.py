@@ -267,29 +267,65 @@ def test_a_candidate_whose_loss_differs_from_eager_is_dropped():
     assert decision.winner == "eager" and decision.trials[1].outcome.startswith("failed: its loss 1.5 differs")
 
 
-def test_the_baseline_is_timed_again_after_the_candidates_and_its_drift_is_reported_not_judged():
-    """FSDP on 2x H200: one cold search timed eager at 74.7 ms and compile at 85.4, the next eager at 89.6 and compile
-    at 75.6; eager timed again after the candidates tells whether the machine's speed moved in between."""
+class Drifting(Timed):
+    """A baseline whose every installation runs ``factor`` times slower than the one before (the machine drifts)."""
 
-    class Drifting(Timed):  # each installation runs 1.5x slower than the one before
-        def install(self):
-            super().install()
-            self.ms *= 1.5
+    def __init__(self, name, ms, clock, factor):
+        super().__init__(name, ms, clock)
+        self.factor = factor
 
+    def install(self):
+        super().install()
+        self.ms *= self.factor
+
+
+def test_the_baseline_is_timed_again_after_the_candidates_and_a_small_drift_is_reported_not_judged():
     clock = Clock()
-    plans = [Drifting("eager", 10, clock), Timed("compile", 12, clock)]
-    decision = run(plans, clock)
+    decision = run([Drifting("eager", 10, clock, 1.05), Timed("compile", 12, clock)], clock)
     assert decision.winner == "eager" and decision.trials[0].ms == pytest.approx(10.0), "judged on the first timing"
     again = decision.baseline_again
-    assert again.name == "eager again" and again.ms == pytest.approx(15.0)
-    assert again.outcome == "after the candidates: 1.50x its first timing"
-    assert decision.lines()[-1].startswith("eager again    15.00 ms")
-    back = Decision.from_json(decision.to_json())
-    assert back.baseline_again == again and back.lines() == decision.lines()
+    assert again.name == "eager again" and again.ms == pytest.approx(10.5)
+    assert again.outcome == "after the candidates: 1.05x its first timing"
+    assert decision.lines()[-1].startswith("eager again    10.50 ms") and decision.side_by_side == []
     alone = run([Timed("eager", 10, clock), Timed("compile", 1, clock, fails=True)], clock)
     assert alone.baseline_again is None, "no candidate timed: nothing to compare eager with again"
+
+
+def test_where_the_machine_drifted_each_candidate_is_judged_beside_the_baseline_timed_around_it():
+    """FSDP on 2x H200: one cold search timed eager at 79.7 ms, regions at 88.7 and compile at 91.5, then eager again
+    at 100.9 (1.27x), and kept eager; the fit that chose compile at the same size ran 0.72x of eager."""
+    clock = Clock()
+    plans = [Drifting("eager", 80, clock, 1.12), Timed("regions", 95, clock), Timed("compile", 91, clock)]
+    decision = run(plans, clock)
+    assert decision.baseline_again.ms == pytest.approx(89.6), "eager: 80 ms, then 89.6, 100.35 and 112.4"
+    assert [t.name for t in decision.side_by_side] == ["regions beside eager", "compile beside eager"]
+    regions, compile_ = decision.side_by_side
+    assert regions.outcome == "1.00x of eager around it: within its noise"
+    assert compile_.outcome == "0.86x of eager around it", "91 ms between 100.35 and 112.4: faster, first timing aside"
+    assert decision.winner == "compile", "the largest factor beside the baseline wins"
+    assert [t.outcome for t in decision.trials] == ["judged side by side", "judged side by side", "chosen"]
+    assert decision.lines()[-1] == "compile beside eager    91.00 ms, slowest 91.00  0.86x of eager around it"
+    back = Decision.from_json(decision.to_json())
+    assert back.side_by_side == decision.side_by_side and back.lines() == decision.lines()
     old = Decision.from_json('{"winner": "eager", "trials": [{"name": "eager", "ms": 3.0, "outcome": "chosen"}]}')
-    assert old.baseline_again is None and old.winner == "eager", "a decision stored by an earlier version"
+    assert old.baseline_again is None and old.side_by_side == [], "a decision stored by an earlier version"
+
+
+def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_baseline():
+    clock = Clock()
+    plans = [Drifting("eager", 100, clock, 0.8), Timed("compile", [60, 90, 40, 95, 50], clock)]
+    decision = run(plans, clock)  # eager 100, then 80 and 64 (median 72): compile's calls (median 60) straddle them
+    assert decision.winner == "eager" and decision.trials[0].outcome == "chosen"
+    assert decision.side_by_side[0].outcome == "0.83x of eager around it: within its noise"
+
+    class FailsSecondTime(Timed):
+        def install(self):
+            super().install()
+            self.fails, self.ms = True, 1  # a graph that no longer replays, say
+
+    plans = [Drifting("eager", 100, clock, 1.5), FailsSecondTime("compile", 50, clock)]
+    decision = run(plans, clock)
+    assert decision.winner == "eager" and decision.side_by_side[0].outcome.startswith("failed: ")
 
 
 def test_decision_round_trips_through_json():
