@@ -82,6 +82,11 @@ def clearly_faster(candidate_ms: Sequence[float], baseline_ms: Sequence[float]) 
     return bool(p < CLEAR_P)  # NaN (every call equal) is not clear
 
 
+Score = tuple[float, bool]
+"""A timed candidate's score in the search, lower is faster (its median ms, or side by side its median over the
+baseline's around it), and whether it is clearly faster than the baseline (the baseline's own: ``True``)."""
+
+
 class Consensus:
     """How ranks agree: a candidate that fails on one rank fails on all, and rank zero's numbers decide.
 
@@ -138,45 +143,35 @@ class PlanSearch:
             skip = self._skip_reason(plan, trials)
             trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call, trials))
         again = self._baseline_again(call, trials)
+        scores = {t.name: (t.ms, t is trials[0] or self._beats_baseline(t, trials)) for t in trials if t.ms is not None}
+        side_by_side: list[Trial] = []
         if _drifted(trials[0], again):
             again.outcome += f", beyond {DRIFT_LIMIT:.2f}x: each candidate timed again beside it"
-            side_by_side, winner = self._side_by_side(call, trials)
-            for trial in trials:
-                if trial.ms is not None:
-                    trial.outcome = "chosen" if trial.name == winner else "judged side by side"
-            return Decision(winner, trials, baseline_again=again, side_by_side=side_by_side)
-        timed = [t for t in trials if t.ms is not None]
-        eligible = [t for t in timed if t is trials[0] or self._beats_baseline(t, trials)]
-        winner = min(eligible or timed, key=lambda t: t.ms) if timed else Trial(self.candidates[0].name)
-        for trial in timed:
-            trial.outcome = "chosen" if trial is winner else f"slower than {winner.name}"
-            if trial not in eligible and trial.ms < winner.ms:
-                trial.outcome = f"not clearly faster than {trials[0].name}: within its noise"
-        return Decision(winner.name, trials, baseline_again=again)
+            side_by_side, scores = self._side_by_side(call, trials)
+        return Decision(_judge(trials, scores), trials, baseline_again=again, side_by_side=side_by_side)
 
-    def _side_by_side(self, call: Callable[[], None], trials: list[Trial]) -> tuple[list[Trial], str]:
-        """Each timed candidate again, then the baseline after it (its second timing stands before the first):
-        each is judged against the baseline's two timings around it, whatever the machine's speed did between
-        the candidates. The timings, and the winner: the candidate clearly faster than the baseline around it by
-        the largest factor, or the baseline."""
+    def _side_by_side(self, call: Callable[[], None], trials: list[Trial]) -> tuple[list[Trial], dict[str, Score]]:
+        """Each timed candidate again, then the baseline after it (its second timing stands before the first), so
+        each is judged against the baseline's two timings around it, whatever the machine's speed did between the
+        candidates. The timings, and each candidate's score: its median over the baseline's around it."""
         baseline = self.candidates[0]
-        rows, best = [], (1.0, baseline.name)
+        rows, scores = [], {baseline.name: (1.0, True)}
         for plan, first in zip(self.candidates[1:], trials[1:]):
             if first.ms is None:
                 continue
             before = self._times[baseline.name]
             trial, after = self._trial(plan, call), self._trial(baseline, call)
-            around = before + self._times[baseline.name] if after.ms is not None else before
+            around = before + (self._times[baseline.name] if after.ms is not None else [])
             name = f"{plan.name} beside {baseline.name}"
             if trial.ms is None:
                 rows.append(Trial(name, outcome=trial.outcome))
+                first.outcome = trial.outcome
                 continue
             ratio, clear = trial.ms / statistics.median(around), clearly_faster(self._times[plan.name], around)
-            rows.append(Trial(name, trial.ms, f"{ratio:.2f}x of {baseline.name} around it"
-                              + ("" if clear else ": within its noise"), slowest=trial.slowest))  # fmt: skip
-            if clear and ratio < best[0]:
-                best = (ratio, plan.name)
-        return rows, best[1]
+            noise = ": within its noise" if ratio < 1 and not clear else ""
+            rows.append(Trial(name, trial.ms, f"{ratio:.2f}x of {baseline.name} around it{noise}", trial.slowest))
+            scores[plan.name] = (ratio, clear)
+        return rows, scores
 
     def _baseline_again(self, call: Callable[[], None], trials: list[Trial]) -> Trial | None:
         """The baseline timed once more, after the candidates that were timed (``None`` where none was): the
@@ -270,6 +265,21 @@ class PlanSearch:
             if not torch.allclose(got.float(), want.float(), rtol=4 * rtol, atol=4 * atol):
                 return f"its {what} {got.item():.6g} differs from eager's {want.item():.6g}"
         return None
+
+
+def _judge(trials: list[Trial], scores: dict[str, Score]) -> str:
+    """The winner, and each scored trial's outcome: the lowest score among the baseline (``trials[0]``) and the
+    candidates clearly faster than it, or where none of those was scored, the lowest of all."""
+    if not scores:
+        return trials[0].name
+    eligible = [name for name, (_, clear) in scores.items() if clear] or list(scores)
+    winner = min(eligible, key=lambda name: scores[name][0])
+    for trial in (t for t in trials if t.name in scores):
+        score, clear = scores[trial.name]
+        trial.outcome = "chosen" if trial.name == winner else f"slower than {winner}"
+        if not clear and score < scores[winner][0]:
+            trial.outcome = f"not clearly faster than {trials[0].name}: within its noise"
+    return winner
 
 
 def _drifted(first: Trial, again: Trial | None) -> bool:

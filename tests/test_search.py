@@ -300,10 +300,10 @@ def test_where_the_machine_drifted_each_candidate_is_judged_beside_the_baseline_
     assert decision.baseline_again.ms == pytest.approx(89.6), "eager: 80 ms, then 89.6, 100.35 and 112.4"
     assert [t.name for t in decision.side_by_side] == ["regions beside eager", "compile beside eager"]
     regions, compile_ = decision.side_by_side
-    assert regions.outcome == "1.00x of eager around it: within its noise"
+    assert regions.outcome == "1.00x of eager around it", "not ahead: no noise to speak of"
     assert compile_.outcome == "0.86x of eager around it", "91 ms between 100.35 and 112.4: faster, first timing aside"
     assert decision.winner == "compile", "the largest factor beside the baseline wins"
-    assert [t.outcome for t in decision.trials] == ["judged side by side", "judged side by side", "chosen"]
+    assert [t.outcome for t in decision.trials] == ["slower than compile", "slower than compile", "chosen"]
     assert decision.lines()[-1] == "compile beside eager    91.00 ms, slowest 91.00  0.86x of eager around it"
     back = Decision.from_json(decision.to_json())
     assert back.side_by_side == decision.side_by_side and back.lines() == decision.lines()
@@ -317,6 +317,7 @@ def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_base
     decision = run(plans, clock)  # eager 100, then 80 and 64 (median 72): compile's calls (median 60) straddle them
     assert decision.winner == "eager" and decision.trials[0].outcome == "chosen"
     assert decision.side_by_side[0].outcome == "0.83x of eager around it: within its noise"
+    assert decision.trials[1].outcome == "not clearly faster than eager: within its noise"
 
     class FailsSecondTime(Timed):
         def install(self):
@@ -326,6 +327,7 @@ def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_base
     plans = [Drifting("eager", 100, clock, 1.5), FailsSecondTime("compile", 50, clock)]
     decision = run(plans, clock)
     assert decision.winner == "eager" and decision.side_by_side[0].outcome.startswith("failed: ")
+    assert decision.trials[1].outcome == decision.side_by_side[0].outcome
 
 
 def test_decision_round_trips_through_json():
