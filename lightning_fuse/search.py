@@ -174,8 +174,8 @@ class PlanSearch:
         return rows, scores
 
     def _baseline_again(self, call: Callable[[], None], trials: list[Trial]) -> Trial | None:
-        """The baseline timed once more, after the candidates that were timed (``None`` where none was): the
-        decision stands on its first timing; how far the second lies from it is how far the machine drifted."""
+        """The baseline timed once more, after the candidates that were timed (``None`` where none was): how far
+        the second timing lies from the first is how far the machine drifted (:func:`_drifted`)."""
         first = trials[0]
         if first.ms is None or all(t.ms is None for t in trials[1:]):
             return None
