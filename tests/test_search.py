@@ -322,7 +322,7 @@ def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_base
     class FailsSecondTime(Timed):
         def install(self):
             super().install()
-            self.fails, self.ms = True, 1  # a graph that no longer replays, say
+            self.fails = True  # from its second installation on: a graph that no longer replays, say
 
     plans = [Drifting("eager", 100, clock, 1.5), FailsSecondTime("compile", 50, clock)]
     decision = run(plans, clock)
