@@ -330,6 +330,21 @@ def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_base
     assert decision.trials[1].outcome == decision.side_by_side[0].outcome
 
 
+def test_a_rank_whose_own_timings_did_not_drift_times_side_by_side_when_rank_zeros_did():
+    """Every rank must run the same trials (under FSDP each call's collectives pair the ranks' calls): rank zero's
+    shared timings decide whether the search goes side by side, not each rank's own."""
+    shared = []
+    record = Consensus(share=lambda times: shared.append(times) or times)
+    clock = Clock()
+    zero = run([Drifting("eager", 80, clock, 1.2), Timed("compile", 70, clock)], clock, consensus=record)
+    rank_zero = iter(shared)
+    replay = Consensus(share=lambda times: next(rank_zero))
+    clock = Clock()
+    one = run([Timed("eager", 80, clock), Timed("compile", 90, clock)], clock, consensus=replay)  # no drift here
+    assert zero.side_by_side and one.lines() == zero.lines() and one.winner == zero.winner == "compile"
+    assert next(rank_zero, None) is None, "both ranks shared as many timings"
+
+
 def test_decision_round_trips_through_json():
     decision = Decision("regions", [Trial("eager", 2.0, "slower than regions"), Trial("regions", 1.0, "chosen")])
     back = Decision.from_json(decision.to_json())
