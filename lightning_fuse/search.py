@@ -143,11 +143,13 @@ class PlanSearch:
             skip = self._skip_reason(plan, trials)
             trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call, trials))
         again = self._baseline_again(call, trials)
-        scores = {t.name: (t.ms, t is trials[0] or self._beats_baseline(t, trials)) for t in trials if t.ms is not None}
         side_by_side: list[Trial] = []
         if _drifted(trials[0], again):
             again.outcome += f", beyond {DRIFT_LIMIT:.2f}x: each candidate timed again beside it"
             side_by_side, scores = self._side_by_side(call, trials)
+        else:
+            timed = (t for t in trials if t.ms is not None)
+            scores = {t.name: (t.ms, t is trials[0] or self._beats_baseline(t, trials)) for t in timed}
         return Decision(_judge(trials, scores), trials, baseline_again=again, side_by_side=side_by_side)
 
     def _side_by_side(self, call: Callable[[], None], trials: list[Trial]) -> tuple[list[Trial], dict[str, Score]]:
