@@ -145,7 +145,8 @@ class PlanSearch:
         again = self._baseline_again(call, trials)
         side_by_side: list[Trial] = []
         if _drifted(trials[0], again):
-            again.outcome += f", beyond {DRIFT_LIMIT:.2f}x: each candidate timed again beside it"
+            again.outcome += (f", outside {1 / DRIFT_LIMIT:.2f}-{DRIFT_LIMIT:.2f}x: each candidate timed again "
+                              "beside it")
             side_by_side, scores = self._side_by_side(call, trials)
         else:
             timed = (t for t in trials if t.ms is not None)

@@ -316,6 +316,8 @@ def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_base
     plans = [Drifting("eager", 100, clock, 0.8), Timed("compile", [60, 90, 40, 95, 50], clock)]
     decision = run(plans, clock)  # eager 100, then 80 and 64 (median 72): compile's calls (median 60) straddle them
     assert decision.winner == "eager" and decision.trials[0].outcome == "chosen"
+    assert decision.baseline_again.outcome == ("after the candidates: 0.80x its first timing, outside 0.91-1.10x: "
+                                               "each candidate timed again beside it"), "slower or faster: both count"
     assert decision.side_by_side[0].outcome == "0.83x of eager around it: within its noise"
     assert decision.trials[1].outcome == "not clearly faster than eager: within its noise"
 
