@@ -206,6 +206,8 @@ class FuseCallback(Callback):
         fit.mark_dynamic(self.dims, batch, "train", lambda: trainer.train_dataloader)
         if fit.steps == fit.activation_step:
             activate_plan(fit, _training(trainer), pl_module)
+            # the dims it found varying, on this step's batch too: else the plan's first call compiles it static
+            fit.mark_dynamic(self.dims, batch, "train", lambda: trainer.train_dataloader)
             fit.warn_if_resumed_under_another_plan(self.resumed_plan)
             fit.timer.interrupt()  # the search is not training time: the reference's budget is a share of that
             fit.timer.start()
