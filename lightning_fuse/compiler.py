@@ -289,7 +289,7 @@ class CompiledRegion:
         stats = self.tracker.stats(self.name)
         if stats.recompiles and not self._warned_recompile:
             self._warned_recompile = True
-            warn_recompile(self.name, stats)
+            warn_recompile(self.name, stats, marked={dim for dim, _ in self.policy.dynamic_sizes})
         recompiles = stats.most_recompiles_of_one_code  # as torch's own limit counts: per code object
         if recompiles <= self._recompiles_allowed:
             return

@@ -13,6 +13,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -357,8 +358,9 @@ def _extend_capped(target: list[str], new: Any, cap: int) -> None:
             target.append(reason)
 
 
-def warn_recompile(name: str, stats: RegionCompiles) -> None:
-    """Warn (once per region, the caller ensures) that a region recompiled, with dynamo's reason and what to do.
+def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = ()) -> None:
+    """Warn (once per region, the caller ensures) that a region recompiled, with dynamo's reason and what to do
+    (``marked``: the dims the fit marks dynamic on the region's inputs; declaring one of them is not the fix).
 
     Example::
 
@@ -371,7 +373,13 @@ def warn_recompile(name: str, stats: RegionCompiles) -> None:
         True
     """
     reason = stats.recompile_reasons[-1] if stats.recompile_reasons else "unknown"
-    hint = ("another of FuseCallback's plans compiled this code with other settings (a mode, a backend): once per "
-            "plan it tries or hands over to, nothing to do" if "BACKEND_MATCH" in reason else
-            "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}")  # fmt: skip
+    if "BACKEND_MATCH" in reason:
+        hint = ("another of FuseCallback's plans compiled this code with other settings (a mode, a backend): once "
+                "per plan it tries or hands over to, nothing to do")
+    elif (mismatch := re.search(r"size mismatch at index (\d+)", reason)) and int(mismatch.group(1)) in marked:
+        hint = (f"Dim {mismatch.group(1)} was marked dynamic, but the first compile specialised it (code that sets "
+                "it beside a static size, as an attention mask's other dims do): torch's automatic dynamic shapes "
+                "compile it dynamic now, nothing to do unless it keeps recompiling")
+    else:
+        hint = "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}"
     rank_zero_warn(f"FuseCallback: region {name!r} recompiled ({stats.recompiles}x so far). Reason: {reason}. {hint}.")

@@ -1,6 +1,7 @@
 """Dynamic dims: partial last batches and varying lengths compile once, not once per shape."""
 
 import dataclasses
+from collections import Counter
 from enum import Enum
 from types import SimpleNamespace
 
@@ -11,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.shapes import CompileTracker, DynamicDims
+from lightning_fuse.shapes import CompileTracker, DynamicDims, RegionCompiles, warn_recompile
 from tests.toy import ToyTask, trainer
 
 
@@ -225,3 +226,15 @@ def test_lengths_found_varying_before_the_plan_compile_dynamic_from_the_plans_fi
     assert fuse.fit.activation_step > 0 and fuse.fit.varying_dims == {1}
     assert fuse.tracker.stats("model.blocks.0").compiles == 1, "one compile, dynamic (blocks.1 runs its code)"
     assert fuse.tracker.total_recompiles == 0, fuse.tracker.regions
+
+
+@pytest.mark.parametrize(("marked", "hint"), [({1}, "Dim 1 was marked dynamic, but the first compile specialised it"),
+                                              ({0}, "declare it with `dynamic_dims`")])
+def test_a_recompile_over_a_dim_the_fit_marked_does_not_ask_the_user_to_declare_it(marked, hint):
+    """DeBERTa's blocks over varying lengths: the length was marked on their inputs, and dynamo still compiled it
+    static beside the attention mask's dims; declaring it would change nothing."""
+    stats = RegionCompiles(recompiles_by_code=Counter({"0": 1}),
+                           recompile_reasons=["0/0: tensor 'args[0]' size mismatch at index 1. expected 5, actual 14"])
+    with pytest.warns(UserWarning, match="recompiled") as caught:
+        warn_recompile("model.layer.0", stats, marked=marked)
+    assert hint in str(caught[0].message)
