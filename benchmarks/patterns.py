@@ -54,11 +54,12 @@ copies a tensor from the host (its relative positions)."""
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead", "compile")
-DERIVED = {"fuse_unsampled": ("fuse", {"gpu_sample_hz": 0})}
+DERIVED = {"fuse_unsampled": ("fuse", {"gpu_sample_hz": 0}), "fuse_warm": ("fuse", {})}
 """Variants of this benchmark's own, run only where asked by name (not in ``all``) and where the variant they run
 does: (that variant, its FuseCallback arguments), as ``multi_gpu.DERIVED``. ``fuse_unsampled``: fuse without its
 NVML sampler thread, to see with ``--profile-steps`` whether the sampler changes what a profile of fuse's steps
-reads."""
+reads. ``fuse_warm``: fuse on the compile cache and decision a cold fuse fit left (:func:`launch`), to see what a
+second run of the same training costs (its recompiles, compile time and wall)."""
 ONE_LINES = ("reduce_overhead", "compile")
 """The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 
@@ -402,6 +403,16 @@ def _trains_like(row: dict, eager: dict | None) -> bool | None:
     return math.isclose(row["final_loss"], eager["final_loss"], rel_tol=LOSS_RTOL, abs_tol=LOSS_ATOL)
 
 
+def launch(runner: harness.Runner, spec: dict, env: dict) -> dict:
+    """One job's fit in its own process; for ``fuse_warm``, a cold ``fuse`` fit on the same fresh cache first, just
+    past the warmup (its plan chosen and compiled), which only the budget and an error of its own record."""
+    if spec["variant"] == "fuse_warm":
+        cold = runner.launch("patterns.py", {**spec, "variant": "fuse", "steps": spec["warmup"] + 2}, env, kind="cold")
+        if cold.get("error"):
+            return cold
+    return runner.launch("patterns.py", spec, env, kind=spec["variant"])
+
+
 def main(argv: list[str] | None = None) -> int:
     p = harness.parser(__doc__, "patterns.jsonl", models="all", batches="small", variants=ALL_VARIANTS, steps=100,
                        warmup=30)  # fmt: skip
@@ -421,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
                for variant in wanted if DERIVED.get(variant, (variant,))[0] in PATTERNS[pattern][1]]
               for pattern in harness.split(args.patterns, list(PATTERNS))
               for model, batch in regimes if model in PATTERNS[pattern][0]]
-    return harness.run(args, "patterns.py", measure, FIELDS, groups)
+    return harness.run(args, "patterns.py", measure, FIELDS, groups, launch)
 
 
 if __name__ == "__main__":

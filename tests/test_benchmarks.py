@@ -292,6 +292,26 @@ def test_patterns_fuse_unsampled_is_fuse_without_its_sampler_and_only_where_aske
     assert asked == [("fuse", {"gpu_sample_hz": 0})] and record["final_loss"] > 0
 
 
+def test_patterns_fuse_warm_runs_a_cold_fuse_fit_on_the_same_cache_first(tmp_path: Path, in_process,
+                                                                        monkeypatch) -> None:  # fmt: skip
+    import patterns
+
+    ran: list[tuple[str, int, str]] = []
+    monkeypatch.setattr(patterns, "measure", lambda spec: ran.append((spec["variant"], spec["steps"],
+                                                                      spec["cache_dir"])) or {"step_ms": 1.0})
+    out = tmp_path / "patterns.jsonl"
+    argv = ["--smoke", "--patterns", "varying_length_each", "--models", "llama", "--variants", "fuse_warm", "--out"]
+    assert patterns.main([*argv, str(out)]) == 0
+    (cold, warm) = ran
+    assert cold[:2] == ("fuse", 2 + 2) and warm[:2] == ("fuse_warm", 4), "the cold fit just past the warmup"
+    assert cold[2] == warm[2], "one compile cache and decision for both"
+    (record,) = _records(out)
+    assert record["variant"] == "fuse_warm" and record["step_ms"] == 1.0, "the warm fit's record"
+    monkeypatch.setattr(patterns, "measure", lambda spec: {"error": "RuntimeError: boom"})
+    assert patterns.main([*argv, str(out)]) == 0
+    assert _records(out)[-1]["error"] == "RuntimeError: boom", "a cold fit that fails is the record"
+
+
 def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
     import telemetry
 
