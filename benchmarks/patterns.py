@@ -404,8 +404,9 @@ def _trains_like(row: dict, eager: dict | None) -> bool | None:
 
 
 def launch(runner: harness.Runner, spec: dict, env: dict) -> dict:
-    """One job's fit in its own process; for ``fuse_warm``, a cold ``fuse`` fit on the same fresh cache first, just
-    past the warmup (its plan chosen and compiled), which only the budget and an error of its own record."""
+    """One job's fit in its own process; for ``fuse_warm``, first a cold ``fuse`` fit on the same fresh cache, just
+    past the warmup (its plan chosen and compiled). The cold fit leaves no record of its own: where it fails or the
+    budget skips it, its error is the job's record."""
     if spec["variant"] == "fuse_warm":
         cold = runner.launch("patterns.py", {**spec, "variant": "fuse", "steps": spec["warmup"] + 2}, env, kind="cold")
         if cold.get("error"):
