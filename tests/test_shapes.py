@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_fuse import FuseCallback
 from lightning_fuse.shapes import CompileTracker, DynamicDims, RegionCompiles, warn_recompile
 from tests.toy import ToyTask, trainer
+from tests.user_models import VariableLengthTask
 
 
 def test_partial_last_batch_two_epochs_compile_at_most_twice_per_region():
@@ -191,38 +192,13 @@ def test_only_dynamo_compiles_count_a_lazy_backward_adds_time_and_a_cudagraph_re
     assert tracker.recordings == 3
 
 
-class SequenceNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 8)
-        self.blocks = nn.ModuleList(TokenBlock(8) for _ in range(2))
-        self.head = nn.Linear(8, 32)
-
-    def forward(self, input_ids):
-        x = self.embed(input_ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class WholeSequenceTask(SequenceTask):
-    """:class:`SequenceTask` whose network is called once a step, as HF models are (its calls' shapes recorded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.model = SequenceNet()
-
-    def training_step(self, batch, batch_idx):
-        return nn.functional.cross_entropy(self.model(batch["input_ids"]).flatten(0, 1), batch["labels"].flatten())
-
-
 def test_lengths_found_varying_before_the_plan_compile_dynamic_from_the_plans_first_step():
     """The dims found varying over the first calls are marked on the batch of the step that activates the plan
     too: its first compile is already dynamic, so no later length recompiles. Before, a plan that no search had
     compiled (a fixed one, as here, or one from the cached decision) compiled that batch's length static, and
     recompiled every region at the next length: on a warm start, a compile the cache did not hold."""
     fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False)  # eager first steps: lengths seen
-    trainer([fuse], max_epochs=2).fit(WholeSequenceTask())
+    trainer([fuse], max_epochs=2).fit(VariableLengthTask())
     assert fuse.fit.activation_step > 0 and fuse.fit.varying_dims == {1}
     assert fuse.tracker.stats("model.blocks.0").compiles == 1, "one compile, dynamic (blocks.1 runs its code)"
     assert fuse.tracker.total_recompiles == 0, fuse.tracker.regions
