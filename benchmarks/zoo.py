@@ -5,7 +5,9 @@ Variants (``models.apply_variant``): ``eager``, ``compile`` (``torch.compile(net
 inside the Lightning Trainer (``bf16-mixed`` on GPU, fused AdamW), random data on the device. Each compiling
 variant runs twice, each time in a fresh process: cold (an empty compile cache: ``setup_s_cold``) and warm (the
 same cache: ``setup_s_warm`` and everything else). Setup runs from the variant's own compile call to the first
-timed step. ``step_ms`` is the median of the steps after ``--warmup``; for ``fuse`` it includes the callback's
+timed step; ``compile_s_cold`` and ``compile_s_warm`` are the part of it FuseCallback counted as compiling (its
+summary's "compile", the search's included; ``None`` for the one-liners), so that a warm setup splits into compiling
+and the rest. ``step_ms`` is the median of the steps after ``--warmup``; for ``fuse`` it includes the callback's
 eager reference steps (at most 24 of 200), as a user's run would. On the GPU (about 1-2 minutes per variant):
 
     python benchmarks/zoo.py --models gpt2,resnet50 --batches small,large --budget-s 540
@@ -27,7 +29,8 @@ import harness
 import models
 
 FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "setup_s_cold",
-          "setup_s_warm", "peak_gb", "plan", "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
+          "setup_s_warm", "compile_s_cold", "compile_s_warm", "peak_gb", "plan", "ran", "search",
+          "eager_step_ms_in_run", "error")  # fmt: skip
 DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM)}
 """Variants of the zoo's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
 ``fuse_eager_random`` (:data:`models.EAGER_RANDOM`): what drawing eager's dropout masks costs ``fuse``."""
@@ -53,12 +56,14 @@ def run_variant(runner: harness.Runner, spec: dict, env: dict) -> dict:
     variant left out of ``--cold`` runs once, on the empty cache: its setup is the record's ``setup_s_cold``."""
     if spec["variant"] not in spec["cold"]:
         only = runner.launch("zoo.py", spec, env)
-        return {**only, "setup_s_cold" if spec["variant"] != "eager" else "setup_s_warm": only.get("setup_s")}
+        which = "warm" if spec["variant"] == "eager" else "cold"
+        return {**only, f"setup_s_{which}": only.get("setup_s"), f"compile_s_{which}": only.get("compile_s")}
     cold = runner.launch("zoo.py", {**spec, "steps": spec["warmup"] + 2}, env, kind="cold")
     if cold.get("error"):
         return cold
     warm = runner.launch("zoo.py", spec, env)
-    return {**warm, "setup_s_cold": cold.get("setup_s"), "setup_s_warm": warm.get("setup_s")}
+    return {**warm, "setup_s_cold": cold.get("setup_s"), "setup_s_warm": warm.get("setup_s"),
+            "compile_s_cold": cold.get("compile_s"), "compile_s_warm": warm.get("compile_s")}
 
 
 def checks(records: list[dict]) -> str:

@@ -97,6 +97,9 @@ def test_zoo_cold_and_warm_and_the_table(tmp_path: Path, in_process) -> None:
     eager, fuse = records
     assert eager["setup_s_cold"] is None and eager["setup_s_warm"] > 0 and eager["plan"] is None
     assert fuse["setup_s_cold"] > 0 and fuse["setup_s_warm"] > 0 and fuse["plan"], "cold, then warm: two fits"
+    assert 0 < fuse["compile_s_cold"] < fuse["setup_s_cold"], "the cold fit's search compiled its candidates"
+    assert 0 <= fuse["compile_s_warm"] <= fuse["setup_s_warm"], "the warm fit compiles at most the cached plan"
+    assert eager["compile_s_cold"] is None and eager["compile_s_warm"] is None, "no FuseCallback, nothing counted"
     text = harness.table([out])
     assert text.count("\n| gpt | recipes |") == 2 and "| model | source | batch_size | variant |" in text
     assert harness.main(["table", str(out)]) == 0
