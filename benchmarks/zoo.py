@@ -1,4 +1,4 @@
-"""The zoo: FuseCallback against the alternatives a Lightning user has, on 11 models, at a small and a large batch.
+"""The zoo: FuseCallback against the alternatives a Lightning user has, on 14 models, at a small and a large batch.
 
 Variants (``models.apply_variant``): ``eager``, ``compile`` (``torch.compile(net)``), ``reduce_overhead``
 (``mode="reduce-overhead"``), ``regional`` (each repeated block ``.compile()``) and ``fuse`` (``FuseCallback()``),
