@@ -294,7 +294,7 @@ class FuseCallback(Callback):
         speedup, successor = trainer.strategy.broadcast((self.fit.speedup_over_window(plan_ms),
                                                          self.fit.graphless_successor()))  # fmt: skip
         if successor is not None:  # the window measured the plan handed over from
-            self.fit.hand_over(successor)
+            self.fit.hand_over(successor, store=trainer.is_global_zero)
             return
         where = f"over its last {window} steps in epoch {trainer.current_epoch}"
         self._drop_plan_below_margin(speedup, f"{where} (median step, compiling steps included)", trainer.current_epoch)

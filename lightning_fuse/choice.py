@@ -122,7 +122,9 @@ def _decision_file(fit: FitState) -> DecisionFile | None:
     cache = fit.hooks.cache
     if cache is None:
         return None
-    return DecisionFile(cache.directory, decision_key(fit.hooks.recorded, fit.varying_dims, fit.setting.world_size))
+    setting = fit.setting
+    return DecisionFile(cache.directory, decision_key(fit.hooks.recorded, fit.varying_dims, setting.world_size,
+                                                      setting.max_graphs))  # fmt: skip
 
 
 def _search(fit: FitState, training: Training, pl_module: pl.LightningModule) -> Decision:

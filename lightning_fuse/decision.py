@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +95,28 @@ class Decision:
         span = max(11, *map(len, times))
         return [f"{t.name:<{width}} {ms:<{span}}  {t.outcome}" for t, ms in zip(shown, times)]
 
+    def handed_over(self, successor: str, step: int) -> Decision:
+        """The decision a later run should start from, where this fit handed its winner over to ``successor`` at
+        ``step`` (:meth:`~lightning_fuse.fit.FitState.hand_over`): the same trials, ``successor`` the winner. A new
+        decision, not a cached one, so that :meth:`DecisionFile.store` writes it.
+
+        Example::
+
+            >>> trials = [Trial("eager", 30.0, "slower than reduce-overhead"), Trial("reduce-overhead", 9.0, "chosen")]
+            >>> handed = Decision("reduce-overhead", trials, cached=True).handed_over("compile", 93)
+            >>> handed.winner, handed.cached, [t.name for t in handed.trials]
+            ('compile', False, ['eager', 'reduce-overhead', 'compile'])
+            >>> handed.trials[-1].outcome
+            "chosen: handed over from 'reduce-overhead' at step 93"
+        """
+        why = f"handed over at step {step}: its CUDA graphs met more input sizes than one fit records"
+        chosen = f"chosen: handed over from {self.winner!r} at step {step}"
+        outcomes = {self.winner: why, successor: chosen}
+        trials = [replace(t, outcome=outcomes.get(t.name, t.outcome)) for t in self.trials]
+        if successor not in {t.name for t in trials}:
+            trials.append(Trial(successor, outcome=chosen))
+        return Decision(successor, trials, baseline_again=self.baseline_again, side_by_side=self.side_by_side)
+
     def to_json(self) -> str:
         again = asdict(self.baseline_again) if self.baseline_again else None
         return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials], "baseline_again": again,
@@ -109,18 +131,23 @@ class Decision:
                    side_by_side=[Trial(**t) for t in data.get("side_by_side", [])])  # fmt: skip
 
 
-def decision_key(recorded: Any, varying_dims: Collection[int], world_size: int) -> str:
-    """The recorded inputs' signature: shapes (a varying dim as -1, so any length finds it) and dtypes.
+def decision_key(recorded: Any, varying_dims: Collection[int], world_size: int, max_graphs: int = 1) -> str:
+    """The recorded inputs' signature: shapes (a varying dim as -1, so any length finds it) and dtypes; and the
+    processes and graphs per fit (``pad_buckets``' count) the candidates were made for, so that a run that pads to
+    buckets does not start from the decision of one that did not.
 
     Example::
 
         >>> inputs = ((torch.zeros(2, 7),), {})
         >>> decision_key(inputs, {1}, 1) == decision_key(((torch.zeros(2, 9),), {}), {1}, 1)
         True
+        >>> decision_key(inputs, {1}, 1) == decision_key(inputs, {1}, 1, max_graphs=4)
+        False
     """
     leaves = [leaf for leaf in compat.tree_leaves(recorded) if isinstance(leaf, torch.Tensor)]
     shapes = [tuple(-1 if dim in varying_dims else size for dim, size in enumerate(t.shape)) for t in leaves]
     shapes = repr([(shape, t.dtype) for shape, t in zip(shapes, leaves)]) + repr(world_size)
+    shapes += f" {max_graphs} graphs" if max_graphs > 1 else ""  # the keys of earlier versions stand without buckets
     return hashlib.sha256(shapes.encode()).hexdigest()[:16]
 
 

@@ -315,9 +315,11 @@ class FitState:
         names = WITHOUT_GRAPHS.get(self.plan_name(), ()) if self.plan is not None and self.plan.sizes_full else ()
         return next((name for name in names if self.candidate(name) is not None), None)
 
-    def hand_over(self, successor: str) -> None:
+    def hand_over(self, successor: str, store: bool = True) -> None:
         """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_successor`), its
-        optimizers' graphs kept; one line says why."""
+        optimizers' graphs kept; one line says why. With ``store`` (rank zero's), the cached decision names
+        ``successor`` from now on (:meth:`~lightning_fuse.decision.Decision.handed_over`): the next run on the same
+        inputs starts there, rather than record graphs for sizes again and recompile when it hands over."""
         previous, plan = self.plan_name(), self.candidate(successor)
         rank_zero_info(f"FuseCallback: torch's CUDA graphs under {previous!r} met more input sizes than one fit "
                        "records graphs for, and sizes without a graph run slower than compiled code alone: from "
@@ -329,6 +331,8 @@ class FitState:
         plan.reason = f"handed over from {previous!r} at step {self.steps}: its graphs reached their cap of sizes"
         plan.install()
         self.plan = plan
+        if store and self.decision is not None and self.decision_file is not None:
+            self.decision_file.store(self.decision.handed_over(successor, self.steps))
 
     def uninstall_plan(self) -> None:
         for graph in filter(None, self.optimizer_graphs):

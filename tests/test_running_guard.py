@@ -362,6 +362,26 @@ def test_a_plan_whose_torch_graphs_met_more_sizes_than_they_record_hands_over_to
     assert "the fit runs 'compile', the same compile without graphs" in caplog.text
 
 
+
+def test_a_handover_is_stored_in_the_cached_decision_so_the_next_run_starts_with_the_successor(monkeypatch, tmp_path):
+    """Faked on CPU as above, with a compile cache: the first fit hands over from ``regions`` to ``compile`` and
+    stores that; the second, on the same cache and inputs, runs ``compile`` from its plan's first step."""
+    regions_win_on_a_fake_clock(monkeypatch)
+    monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "regions", ("compile",))
+    first = FuseCallback(backend="aot_eager", cache_dir=tmp_path, eager_steps=0)
+    full = property(lambda plan: plan.name == "regions" and first.fit.steps >= 10)
+    monkeypatch.setattr(plan_module.Regions, "sizes_full", full)
+    trainer([first], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 40))
+    assert first.plan.name == "compile" and first.decision.winner == "regions", "the search chose, the fit handed over"
+    second = FuseCallback(backend="aot_eager", cache_dir=tmp_path, eager_steps=0)
+    probe = PlanPerStep(second)
+    trainer([second, probe], max_steps=8, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 8))
+    assert second.decision.cached and second.decision.winner == "compile"
+    assert set(probe.plans[second.fit.activation_step:]) == {"compile"}
+    outcomes = {trial.name: trial.outcome for trial in second.decision.trials}
+    assert outcomes["regions"].startswith("handed over at step") and outcomes["compile"].startswith(
+        "chosen: handed over from 'regions' at step")
+
 def test_the_handover_goes_to_the_first_graphless_candidate_the_fit_made_and_only_once_the_sizes_are_full():
     class Named(Plan):
         def __init__(self, name: str, full: bool = False) -> None:
