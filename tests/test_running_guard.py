@@ -362,7 +362,6 @@ def test_a_plan_whose_torch_graphs_met_more_sizes_than_they_record_hands_over_to
     assert "the fit runs 'compile', the same compile without graphs" in caplog.text
 
 
-
 def test_a_handover_is_stored_in_the_cached_decision_so_the_next_run_starts_with_the_successor(monkeypatch, tmp_path):
     """Faked on CPU as above, with a compile cache: the first fit hands over from ``regions`` to ``compile`` and
     stores that; the second, on the same cache and inputs, runs ``compile`` from its plan's first step."""
