@@ -255,7 +255,11 @@ class StepClock(pl.Callback):
     callbacks, so that the other callbacks' per-step work falls inside the steps. The loss of the last
     :data:`LOSS_WINDOW` steps is kept (copied: a CUDA graph would overwrite it).
 
-    The host's side of each step is kept too, to tell a slower host from slower work: the main thread's CPU time
+    Where the setup goes: ``train_start_s``, when Lightning's training starts, and ``batch_starts_s``, when each of
+    the first ``warmup`` batches starts, both on the setup's clock (seconds from ``started``) and both the host's
+    (not synchronised: work the host queued shows in a later gap), so that the step that loads or compiles the plan,
+    or captures its graph, stands out. The host's side of each step is kept too, to tell a slower host from slower
+    work: the main thread's CPU time
     per step (``epoch_cpu_ms``, ``cpu_ms``: what the step asked of the host), and how often the kernel took the CPU
     from that thread (``switches_per_step``, involuntary context switches; ``None`` off Linux).
     """
@@ -264,6 +268,8 @@ class StepClock(pl.Callback):
         self.warmup, self.started = warmup, started
         self.batches = 0
         self.setup_s: float | None = None
+        self.train_start_s: float | None = None
+        self.batch_starts_s: list[float] = []
         self.times: dict[str, list[float]] = {}
         self.cpu_marks: list[tuple[str, float]] = []  # (the step's kind, the main thread's CPU time at its start)
         self.losses: deque[torch.Tensor] = deque(maxlen=LOSS_WINDOW)
@@ -272,10 +278,13 @@ class StepClock(pl.Callback):
         self.switches: int | None = None  # and during the timed steps
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.train_start_s = time.perf_counter() - self.started
         self.timer = StepTimer(pl_module.device)
         self.timer.reserve(max(trainer.max_steps, 1) * trainer.accumulate_grad_batches)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if self.batches < self.warmup:
+            self.batch_starts_s.append(time.perf_counter() - self.started)
         if self.batches == self.warmup:
             if pl_module.device.type == "cuda":
                 torch.cuda.synchronize()  # the setup ends when the warmup's work is done, not when it is queued
@@ -307,7 +316,8 @@ class StepClock(pl.Callback):
         cpu_steps = [ms for epoch_cpu in cpu.values() for ms in epoch_cpu]
         return {"step_ms": statistics.median(steps) if steps else None, "steps": self.batches,
                 "step_ms_q1": quartiles[0], "step_ms_q3": quartiles[2],
-                "timed_steps": len(steps), "setup_s": self.setup_s,
+                "timed_steps": len(steps), "setup_s": self.setup_s, "train_start_s": self.train_start_s,
+                "batch_starts_s": [round(at, 3) for at in self.batch_starts_s],
                 "final_loss": statistics.mean(losses) if losses else None,
                 "epoch_ms": {int(epoch): ms for epoch, ms in self.times.items()}, "epoch_cpu_ms": cpu,
                 "cpu_ms": statistics.median(cpu_steps) if cpu_steps else None,

@@ -7,7 +7,9 @@ variant runs twice, each time in a fresh process: cold (an empty compile cache: 
 same cache: ``setup_s_warm`` and everything else). Setup runs from the variant's own compile call to the first
 timed step; ``compile_s_cold`` and ``compile_s_warm`` are the part of it FuseCallback counted as compiling (its
 summary's "compile", the search's included; ``None`` for the one-liners), so that a warm setup splits into compiling
-and the rest. ``step_ms`` is the median of the steps after ``--warmup``; for ``fuse`` it includes the callback's
+and the rest; ``train_start_s`` and ``batch_starts_s`` (the record's own fit, the warm one where there are two) say
+when Lightning's training and each warmup batch started on the same clock (``harness.StepClock``), so that the rest
+splits by step. ``step_ms`` is the median of the steps after ``--warmup``; for ``fuse`` it includes the callback's
 eager reference steps (at most 24 of 200), as a user's run would. On the GPU (about 1-2 minutes per variant):
 
     python benchmarks/zoo.py --models gpt2,resnet50 --batches small,large --budget-s 540
@@ -29,8 +31,8 @@ import harness
 import models
 
 FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "setup_s_cold",
-          "setup_s_warm", "compile_s_cold", "compile_s_warm", "peak_gb", "plan", "ran", "search",
-          "eager_step_ms_in_run", "error")  # fmt: skip
+          "setup_s_warm", "compile_s_cold", "compile_s_warm", "train_start_s", "batch_starts_s", "peak_gb", "plan",
+          "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
 DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM)}
 """Variants of the zoo's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
 ``fuse_eager_random`` (:data:`models.EAGER_RANDOM`): what drawing eager's dropout masks costs ``fuse``."""

@@ -100,6 +100,10 @@ def test_zoo_cold_and_warm_and_the_table(tmp_path: Path, in_process) -> None:
     assert 0 < fuse["compile_s_cold"] < fuse["setup_s_cold"], "the cold fit's search compiled its candidates"
     assert 0 <= fuse["compile_s_warm"] <= fuse["setup_s_warm"], "the warm fit compiles at most the cached plan"
     assert eager["compile_s_cold"] is None and eager["compile_s_warm"] is None, "no FuseCallback, nothing counted"
+    for record in records:  # the warm fit's setup, step by step, on the setup's clock
+        starts = record["batch_starts_s"]
+        assert len(starts) == 4 and starts == sorted(starts), "each warmup batch's start, in order"
+        assert 0 < record["train_start_s"] <= starts[0] and starts[-1] <= record["setup_s_warm"]
     text = harness.table([out])
     assert text.count("\n| gpt | recipes |") == 2 and "| model | source | batch_size | variant |" in text
     assert harness.main(["table", str(out)]) == 0
