@@ -259,9 +259,9 @@ class StepClock(pl.Callback):
     the first ``warmup`` batches starts, both on the setup's clock (seconds from ``started``) and both the host's
     (not synchronised: work the host queued shows in a later gap), so that the step that loads or compiles the plan,
     or captures its graph, stands out. The host's side of each step is kept too, to tell a slower host from slower
-    work: the main thread's CPU time
-    per step (``epoch_cpu_ms``, ``cpu_ms``: what the step asked of the host), and how often the kernel took the CPU
-    from that thread (``switches_per_step``, involuntary context switches; ``None`` off Linux).
+    work: the main thread's CPU time per step (``epoch_cpu_ms``, ``cpu_ms``: what the step asked of the host), and
+    how often the kernel took the CPU from that thread (``switches_per_step``, involuntary context switches;
+    ``None`` off Linux).
     """
 
     def __init__(self, warmup: int, started: float) -> None:
