@@ -235,9 +235,11 @@ class GraphedModule:
             compat.set_compiled_call_impl(self.module, self._inner)
 
     def release(self) -> None:
-        """Drop every captured graph (their memory pools go with them)."""
-        self._graphs.clear()
-        gc.collect()
+        """Drop every captured graph (their memory pools go with them; a collection only when there were some: it
+        took 0.3 s of a warm MobileNet fit's start)."""
+        if self._graphs:
+            self._graphs.clear()
+            gc.collect()
 
     def disable(self, reason: str) -> None:
         """Run without the graph for the rest of the fit, with one warning saying why."""

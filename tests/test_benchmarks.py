@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import resource
 import statistics
@@ -490,6 +491,27 @@ def test_a_run_weighs_the_budget_by_each_jobs_variant(tmp_path: Path, monkeypatc
     groups = [[{"model": "m", "variant": "fuse"}, {"model": "m", "variant": "eager"}]]
     assert harness.run(args, "patterns.py", lambda spec: {}, ("model", "variant"), groups) == 0
     assert kinds == ["fuse", "eager"]
+
+
+def test_where_the_machine_writes_no_bytecode_the_children_get_it_compiled_ahead(tmp_path: Path, monkeypatch):
+    """The lent GPU machines set ``PYTHONDONTWRITEBYTECODE`` and ship no ``.pyc``: every child compiled the Python
+    it imported from source, a compiling variant much more of it than eager."""
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    assert harness.bytecode_env(tmp_path / "pyc") == {}  # bytecode is written as usual: nothing to do
+    packages = tmp_path / "site-packages"
+    (packages / "pkg").mkdir(parents=True)
+    (packages / "pkg" / "mod.py").write_text("X = 1\n")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("PYTHONPATH", str(harness.ROOT))  # the checkout itself is left alone
+    monkeypatch.setattr(harness.site, "getsitepackages", lambda: [str(packages)])
+    env = harness.bytecode_env(tmp_path / "pyc")
+    assert env == {"PYTHONPYCACHEPREFIX": str(tmp_path / "pyc"), "PYTHONDONTWRITEBYTECODE": ""}
+    compiled = {p.name.split(".")[0] for p in (tmp_path / "pyc").rglob("*.pyc")}
+    assert "mod" in compiled and "harness" not in compiled  # (and what compileall itself imported)
+    show = "import sys; print(sys.flags.dont_write_bytecode, sys.pycache_prefix)"
+    flags = subprocess.run([sys.executable, "-c", show], env={**os.environ, **env}, capture_output=True, text=True,
+                           check=True).stdout.split()  # fmt: skip
+    assert flags == ["0", str(tmp_path / "pyc")]  # the children write and read there
 
 
 def test_profiled_steps_end_one_batch_before_the_timed_ones(monkeypatch) -> None:
