@@ -59,7 +59,8 @@ DERIVED = {"fuse_unsampled": ("fuse", {"gpu_sample_hz": 0}), "fuse_warm": ("fuse
 does: (that variant, its FuseCallback arguments), as ``multi_gpu.DERIVED``. ``fuse_unsampled``: fuse without its
 NVML sampler thread, to see with ``--profile-steps`` whether the sampler changes what a profile of fuse's steps
 reads. ``fuse_warm``: fuse on the compile cache and decision a cold fuse fit left (:func:`launch`), to see what a
-second run of the same training costs (its recompiles, compile time and wall)."""
+second run of the same training costs (its recompiles, compile time and wall); that cold fit is a whole ``fuse`` fit,
+recorded as ``fuse``, so that both come from one call at the cost of one (ask for ``fuse_warm`` without ``fuse``)."""
 ONE_LINES = ("reduce_overhead", "compile")
 """The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 
@@ -404,11 +405,11 @@ def _trains_like(row: dict, eager: dict | None) -> bool | None:
 
 
 def launch(runner: harness.Runner, spec: dict, env: dict) -> dict:
-    """One job's fit in its own process; for ``fuse_warm``, first a cold ``fuse`` fit on the same fresh cache, just
-    past the warmup (its plan chosen and compiled). The cold fit leaves no record of its own: where it fails or the
-    budget skips it, its error is the job's record."""
+    """One job's fit in its own process; for ``fuse_warm``, first a whole cold ``fuse`` fit on the same fresh cache,
+    recorded as ``fuse``. Where that fit fails or the budget skips it, its error is the warm job's record too."""
     if spec["variant"] == "fuse_warm":
-        cold = runner.launch("patterns.py", {**spec, "variant": "fuse", "steps": spec["warmup"] + 2}, env, kind="cold")
+        cold = runner.launch("patterns.py", {**spec, "variant": "fuse"}, env, kind="cold")
+        runner.write({**spec, "variant": "fuse", **cold})
         if cold.get("error"):
             return cold
     return runner.launch("patterns.py", spec, env, kind=spec["variant"])
@@ -427,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     steps, warmup = (4, 2) if args.smoke else (args.steps, args.warmup)
     wanted = list(ALL_VARIANTS) if args.variants == "all" else harness.split(args.variants, (*ALL_VARIANTS, *DERIVED))
+    if {"fuse", "fuse_warm"} <= set(wanted):
+        raise SystemExit("fuse_warm runs and records a cold fuse fit first: ask for fuse_warm without fuse")
     regimes = models.regimes(args, tuple(dict.fromkeys(HF + VISION + TREES + ENCODERS + ("gpt",))))  # deberta twice
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
                 "warmup": warmup, "smoke": args.smoke, "profile_steps": args.profile_steps}

@@ -300,24 +300,26 @@ def test_patterns_fuse_unsampled_is_fuse_without_its_sampler_and_only_where_aske
     assert asked == [("fuse", {"gpu_sample_hz": 0})] and record["final_loss"] > 0
 
 
-def test_patterns_fuse_warm_runs_a_cold_fuse_fit_on_the_same_cache_first(tmp_path: Path, in_process,
-                                                                        monkeypatch) -> None:  # fmt: skip
+def test_patterns_fuse_warm_records_the_whole_cold_fuse_fit_it_runs_on_its_cache(tmp_path, in_process, monkeypatch):
+    """One call gives the cold and the warm fit of the same cache, at the cost of those two fits."""
     import patterns
 
     ran: list[tuple[str, int, str]] = []
     monkeypatch.setattr(patterns, "measure", lambda spec: ran.append((spec["variant"], spec["steps"],
-                                                                      spec["cache_dir"])) or {"step_ms": 1.0})
+                                                                      spec["cache_dir"])) or {"step_ms": len(ran)})
     out = tmp_path / "patterns.jsonl"
     argv = ["--smoke", "--patterns", "varying_length_each", "--models", "llama", "--variants", "fuse_warm", "--out"]
     assert patterns.main([*argv, str(out)]) == 0
     (cold, warm) = ran
-    assert cold[:2] == ("fuse", 2 + 2) and warm[:2] == ("fuse_warm", 4), "the cold fit just past the warmup"
+    assert cold[:2] == ("fuse", 4) and warm[:2] == ("fuse_warm", 4), "the cold fit is a whole fuse fit"
     assert cold[2] == warm[2], "one compile cache and decision for both"
-    (record,) = _records(out)
-    assert record["variant"] == "fuse_warm" and record["step_ms"] == 1.0, "the warm fit's record"
+    assert [(r["variant"], r["step_ms"]) for r in _records(out)] == [("fuse", 1), ("fuse_warm", 2)]
     monkeypatch.setattr(patterns, "measure", lambda spec: {"error": "RuntimeError: boom"})
     assert patterns.main([*argv, str(out)]) == 0
-    assert _records(out)[-1]["error"] == "RuntimeError: boom", "a cold fit that fails is the record"
+    failed = [(r["variant"], r["error"]) for r in _records(out)[2:]]
+    assert failed == [("fuse", "RuntimeError: boom"), ("fuse_warm", "RuntimeError: boom")], "its own, and the warm's"
+    with pytest.raises(SystemExit, match="without fuse"):
+        patterns.main([*argv[:-2], "fuse,fuse_warm", "--out", str(out)])
 
 
 def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
