@@ -341,8 +341,9 @@ class StepClock(pl.Callback):
         cpu_steps = [ms for epoch_cpu in cpu.values() for ms in epoch_cpu]
         return {"step_ms": statistics.median(steps) if steps else None, "steps": self.batches,
                 "step_ms_q1": quartiles[0], "step_ms_q3": quartiles[2],
-                "timed_steps": len(steps), "setup_s": self.setup_s, "train_start_s": self.train_start_s,
-                "batch_starts_s": [round(at, 3) for at in self.batch_starts_s],
+                "timed_steps": len(steps), "setup_s": self.setup_s,
+                "train_start_s": None if self.train_start_s is None else round(self.train_start_s, 3),
+                "batch_starts_s": [round(at, 3) for at in self.batch_starts_s],  # both to the ms: their order holds
                 "final_loss": statistics.mean(losses) if losses else None,
                 "epoch_ms": {int(epoch): ms for epoch, ms in self.times.items()}, "epoch_cpu_ms": cpu,
                 "cpu_ms": statistics.median(cpu_steps) if cpu_steps else None,
