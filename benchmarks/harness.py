@@ -146,7 +146,7 @@ def bytecode_env(prefix: Path = Path(tempfile.gettempdir()) / "bench-pycache") -
 
     Without it every child compiles the Python it imports from source, as no ``pip install`` leaves a user's
     machine, and a compiling variant imports much more of torch than eager does: on an H200, Lightning's training
-    began 1.9-2.1 s after a warm MobileNet fit's compile call with it and 3.5-3.9 s without (the RESULTS' fifty-third
+    began 1.9-2.3 s after a warm MobileNet fit's compile call with it and 3.5-3.9 s without (the RESULTS' fifty-third
     session). The checkout itself is left out.
     """
     if not os.environ.get("PYTHONDONTWRITEBYTECODE"):
