@@ -86,7 +86,8 @@ class FuseCallback(Callback):
             (:mod:`~lightning_fuse.optimizer_graph`); ``False``: the optimizer steps as it always does.
         dynamic_dims: ``"auto"`` marks the batch dim dynamic when the loader can yield a partial last batch; ``None``
             marks nothing; or a mapping such as ``{"input_ids": [0, 1]}``.
-        verify: Compare each region's first compiled output with eager; a region that disagrees runs eagerly.
+        verify: Compare each region's first compiled output with eager; a region that disagrees runs eagerly. A
+            training call that draws random numbers (dropout) is checked on its first eval call instead.
         cache_dir: Compile cache root; ``None`` uses ``~/.cache/lightning_fuse``, ``False`` disables persistence.
         recompile_limit: Recompiles a region may make (counted per code object, as torch counts: a region whose
             code breaks into several frames may recompile each) before ``on_recompile_limit`` applies.

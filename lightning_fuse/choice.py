@@ -143,7 +143,7 @@ def _search(fit: FitState, training: Training, pl_module: pl.LightningModule) ->
     # compiled candidates compile the varying dims as dynamic from their first call: no recompile per length
     fit.setting.policy.dynamic_sizes |= mark_dims((call.args, call.kwargs), fit.varying_dims)
     consensus = Consensus(training.reduce_all, training.broadcast)
-    deterministic = not changes_in_training(module)
+    deterministic = not changes_in_training(module) and not fit.hooks.random.drew  # F.dropout shows only there
     search = PlanSearch(fit.candidates, consensus, reference=call.last if deterministic else None)
     with sandbox(module):
         return search.run(call)

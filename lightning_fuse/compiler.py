@@ -31,6 +31,7 @@ from torch import nn
 
 from lightning_fuse import compat, replay, sharding
 from lightning_fuse.options import RECOMPILE_LIMIT
+from lightning_fuse.randomness import RandomDraws, call_device
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
 
@@ -259,14 +260,18 @@ class CompiledRegion:
         out = self._guarded_call(mode, args, kwargs)
         if self.fallback_reason is not None:
             return out
+        draws = RandomDraws()
         try:
-            reference = self._eager_reference(args, kwargs)
+            with draws.around(call_device(module, args, kwargs)):
+                reference = self._eager_reference(args, kwargs)
         except compat.control_flow_errors():
             raise
         except Exception as err:  # noqa: BLE001 - the check's own failure costs the region, never the run
             self.fall_back(f"its first output could not be checked against eager ({describe_error(err)})")
             return out
         self._verified.add(mode)
+        if draws.drew:  # dropout as a function (F.dropout): random as a layer is, and checked the same way, in eval
+            return out
         mismatch = _compare(out, reference)
         if mismatch is None:
             return out

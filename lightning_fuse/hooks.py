@@ -33,6 +33,7 @@ from lightning_fuse.buckets import PadToBuckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.guard import BackwardGuard
 from lightning_fuse.kv_cache import NoCacheInTraining
+from lightning_fuse.randomness import RandomDraws
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -61,8 +62,10 @@ class FitHooks:
     """The shapes of the network's training calls before the plan was chosen."""
     recorded: tuple[tuple, dict] | None = None
     """The network's last training call before the plan was chosen: the plan search's input."""
+    random: RandomDraws = field(default_factory=RandomDraws)
+    """Whether the network's calls before the plan was chosen drew random numbers (dropout, a layer or a function)."""
     saved_recompile_limit: int | None = None
-    _recorder: Any = None
+    _recorder: list[Any] = field(default_factory=list)
 
     @classmethod
     def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
@@ -81,10 +84,12 @@ class FitHooks:
         return hooks
 
     def start_recording(self, network: nn.Module) -> None:
-        """Record the network's training inputs (and their shapes) until :meth:`stop_recording`."""
+        """Record the network's training inputs (and their shapes), and whether its calls draw random numbers,
+        until :meth:`stop_recording`."""
         # first of the hooks: the search replays the call as the training step makes it, so that a graph it captures
         # has the signature the training calls have (not the one other hooks, use_cache=False, turn it into)
-        self._recorder = network.register_forward_pre_hook(self._record, with_kwargs=True, prepend=True)
+        self._recorder = [network.register_forward_pre_hook(self._record, with_kwargs=True, prepend=True),
+                          *self.random.watch_module(network)]  # fmt: skip
 
     def _record(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and torch.is_grad_enabled():
@@ -92,9 +97,9 @@ class FitHooks:
             self.shapes.add(args, kwargs)
 
     def stop_recording(self) -> None:
-        if self._recorder is not None:
-            self._recorder.remove()
-            self._recorder = None
+        for handle in self._recorder:
+            handle.remove()
+        self._recorder = []
 
     def raise_recompile_limit(self, regions: int, limit: int) -> None:
         """Raise dynamo's recompile limit for ``regions`` regions that may recompile ``limit`` times each

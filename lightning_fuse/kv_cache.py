@@ -65,9 +65,10 @@ class NoCacheInTraining:
         if not self._announced:  # said here, not in the hook: a compiled network traces its hooks, and guards
             self._announced = True  # on what they read, so a flag the hook flipped would recompile it
             rank_zero_info(
-                f"FuseCallback: {type(self.module).__name__} is called with use_cache=False in the training steps "
-                "FuseCallback speeds up (no KV cache: the loss does not read it, and a CUDA graph cannot hold it); its "
-                "config is unchanged. Pass use_cache yourself to decide otherwise."
+                f"FuseCallback: {type(self.module).__name__} takes use_cache and its config has it on, so the "
+                "training steps FuseCallback speeds up call it with use_cache=False (a KV cache, where the model "
+                "builds one, is never read by the loss, and no CUDA graph can hold it); its config is unchanged. "
+                "Pass use_cache yourself to decide otherwise."
             )
 
     def uninstall(self) -> None:

@@ -21,7 +21,7 @@ from lightning_fuse.decision import Decision
 from lightning_fuse.plan import Plan, Regions
 from lightning_fuse.running_guard import RunningGuard, window_speedup
 from lightning_fuse.timing import THIN_REFERENCE, StepTimer
-from tests.toy import ToyTask, trainer
+from tests.toy import Block, Net, ToyTask, trainer
 
 CPU_TAGS = {
     "fuse/speedup", "fuse/step_ms", "fuse/reference_age", "fuse/samples_per_s", "fuse/compile_s",
@@ -388,6 +388,29 @@ def test_with_eagers_dropout_masks_a_compiled_fit_retraces_eagers():
     assert fuse.tracker.stats("model.blocks.0").compiles >= 1 and fuse.fit.what_ran().startswith("regions")
     for a, b in zip(eager_task.parameters(), fused_task.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+class FunctionalDropoutBlock(Block):
+    """Dropout as HF's OPT and BART layers write it: ``F.dropout`` of a float attribute, no ``nn.Dropout`` layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.nn.functional.dropout(self.mlp(self.norm(x)), p=0.3, training=self.training)
+
+
+class FunctionalDropoutTask(ToyTask):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.model = Net(block=FunctionalDropoutBlock)
+
+
+def test_dropout_written_as_a_function_fails_no_candidate_on_its_masks(recwarn):
+    """Such dropout shows in no module tree: before FuseCallback watched the generator, every compiled candidate of
+    an OPT failed its check against eager's output and loss (other masks), and the fit kept eager."""
+    fuse = FuseCallback(backend="eager", cache_dir=False, eager_steps=2)
+    fit([fuse], epochs=1, task_type=FunctionalDropoutTask)
+    outcomes = [trial.outcome for trial in fuse.decision.trials]
+    assert len(outcomes) > 1 and not [outcome for outcome in outcomes if outcome.startswith("failed")], outcomes
+    assert not [w for w in recwarn if "differs from eager" in str(w.message)]
 
 
 class SlowValidation(ToyTask):

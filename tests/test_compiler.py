@@ -148,6 +148,37 @@ def test_a_first_output_that_cannot_be_checked_costs_the_region_never_the_run(re
     tracker.remove()
 
 
+class FunctionalDropoutBlock(nn.Module):
+    """Dropout as HF's OPT and BART layers write it: ``F.dropout`` of a float attribute, no ``nn.Dropout`` layer."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear, self.dropout = nn.Linear(width, width), 0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.linear(x), p=self.dropout, training=self.training)
+
+
+@pytest.mark.parametrize("backend", ["eager", wrong_backend], ids=["right", "wrong"])
+def test_a_region_whose_dropout_is_a_function_is_checked_in_eval_not_dropped_for_its_masks(backend, recwarn):
+    """A compiled training call of such a region draws other masks than any eager call: its output is not held to
+    eager's (the region stays compiled), and the check waits for its first eval call, where a wrong compile is
+    still caught."""
+    net = Net(block=FunctionalDropoutBlock)
+    runners, tracker = compiled(net, backend=backend)
+    net(torch.randn(4, 8))
+    assert all(r.is_compiled for r in runners), [r.fallback_reason for r in runners]
+    net.eval()
+    x = torch.randn(4, 8)
+    with torch.compiler.set_stance("force_eager"):
+        expected = net(x)
+    torch.testing.assert_close(net(x), expected)
+    right = backend == "eager"
+    assert [r.is_compiled for r in runners] == [right] * 3
+    assert any("differs from eager on the first batch" in str(w.message) for w in recwarn) is not right
+    tracker.remove()
+
+
 def test_without_verify_a_wrong_backend_goes_unnoticed():
     net = Net()
     runners, tracker = compiled(net, backend=wrong_backend, verify=False)

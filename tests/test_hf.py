@@ -33,6 +33,7 @@ from tests.user_models import (
     pin_search,
     tiny_bert_classifier,
     tiny_gpt2,
+    tiny_opt,
 )
 
 OUTCOME = re.compile(r"(chosen|slower than \S+|not clearly faster than \S+: within its noise|failed: .+|skipped: .+)")
@@ -221,6 +222,17 @@ def test_a_causal_lm_trains_without_its_kv_cache_and_its_config_is_left_as_it_wa
     assert model(input_ids=torch.randint(0, 64, (2, 8))).past_key_values is not None  # the default is back
     eager = fit(lambda: HFTask(tiny_gpt2()))
     assert_same_training(run, eager)
+
+
+def test_opt_whose_dropout_is_a_function_fails_no_candidate_on_its_masks():
+    """Before FuseCallback watched the generator, every compiled candidate of OPT failed its check against eager's
+    output and loss (other dropout masks: no ``nn.Dropout`` layer said the calls were random) and the fit kept
+    eager (seen with inductor on CPU; no GPU has run OPT here)."""
+    cb = fuse()
+    fit(lambda: HFTask(tiny_opt()), [cb], max_epochs=1)
+    outcomes = [trial.outcome for trial in cb.decision.trials]
+    assert len(outcomes) > 1 and not [outcome for outcome in outcomes if outcome.startswith("failed")], outcomes
+    assert not cb.fallbacks
 
 
 def test_a_user_passing_use_cache_keeps_it():

@@ -42,6 +42,27 @@ def test_install_then_remove_leaves_the_model_and_torch_as_they_were():
     assert network.use_cache is None and task.backward == backward and "backward" not in vars(task)
     assert compat.dynamo_recompile_limit() == limit and not dropped
     assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert not network._forward_pre_hooks and not network._forward_hooks
+
+
+class FunctionalDropout(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x, p=0.5, training=self.training)
+
+
+def test_the_recorder_sees_whether_the_networks_calls_draw_random_numbers():
+    """Dropout written as a function shows in no module tree, only in the generator it draws from: the search then
+    does not hold the candidates' losses to eager's."""
+    for network, training, drew in ((FunctionalDropout(), False, False), (FunctionalDropout(), True, True),
+                                    (nn.Linear(4, 4), True, False)):  # fmt: skip
+        network.train(training)
+        hooks = FitHooks()
+        hooks.start_recording(network)
+        network(torch.ones(2, 4))
+        hooks.stop_recording()
+        assert hooks.random.drew is drew
+        network(torch.ones(2, 4))  # no longer watched
+        assert not network._forward_pre_hooks and not network._forward_hooks
 
 
 def test_a_recompile_limit_already_higher_is_kept():

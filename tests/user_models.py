@@ -394,6 +394,15 @@ def tiny_gpt2(dropout: float = 0.0, **overrides):
     return GPT2LMHeadModel(config)
 
 
+def tiny_opt(**overrides):
+    """OPT, whose layers write dropout as a function (``F.dropout(x, p=self.dropout, ...)``, 0.1 by default)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    config = OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=2,
+                       max_position_embeddings=32, word_embed_proj_dim=32, **overrides)  # fmt: skip
+    return OPTForCausalLM(config)
+
+
 def tiny_bert_classifier(**overrides):
     from transformers import BertConfig, BertForSequenceClassification
 
