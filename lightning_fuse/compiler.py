@@ -270,7 +270,7 @@ class CompiledRegion:
             self.fall_back(f"its first output could not be checked against eager ({describe_error(err)})")
             return out
         self._verified.add(mode)
-        if draws.drew:  # dropout as a function (F.dropout): random as a layer is, and checked the same way, in eval
+        if draws.drew:  # random (dropout written as a function, say): checked in eval, as an nn.Dropout region is
             return out
         mismatch = _compare(out, reference)
         if mismatch is None:
