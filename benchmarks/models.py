@@ -206,6 +206,14 @@ def llama(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
 
 
+def opt(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """OPT-125m, whose layers write dropout as a function (``F.dropout``, 0.1): no module tree shows it."""
+    tiny = dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=64,
+                word_embed_proj_dim=32, **TINY_TEXT)  # fmt: skip
+    net = _hf("OPTConfig", "OPTForCausalLM", {}, tiny, smoke)  # the config's defaults: OPT-125m
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
 def mixtral(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     """A Mixtral-style causal LM (8 experts, 2 per token): its experts run on the tokens routed to them, a
     data-dependent shape in every layer."""
@@ -283,6 +291,7 @@ MODELS: dict[str, tuple[str, Callable, int, int]] = {
     "llama": ("transformers", llama, 8, 32),
     "llama_lora": ("transformers+peft", llama_lora, 8, 32),
     "mixtral": ("transformers", mixtral, 8, 32),
+    "opt": ("transformers", opt, 8, 32),
     "bert": ("transformers", bert, 32, 128),
     "deberta": ("transformers", deberta, 16, 64),
     "t5": ("transformers", t5, 16, 64),
