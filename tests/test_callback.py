@@ -21,7 +21,7 @@ from lightning_fuse.decision import Decision
 from lightning_fuse.plan import Plan, Regions
 from lightning_fuse.running_guard import RunningGuard, window_speedup
 from lightning_fuse.timing import THIN_REFERENCE, StepTimer
-from tests.toy import Block, Net, ToyTask, trainer
+from tests.toy import FunctionalDropoutBlock, Net, ToyTask, trainer
 
 CPU_TAGS = {
     "fuse/speedup", "fuse/step_ms", "fuse/reference_age", "fuse/samples_per_s", "fuse/compile_s",
@@ -388,13 +388,6 @@ def test_with_eagers_dropout_masks_a_compiled_fit_retraces_eagers():
     assert fuse.tracker.stats("model.blocks.0").compiles >= 1 and fuse.fit.what_ran().startswith("regions")
     for a, b in zip(eager_task.parameters(), fused_task.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-class FunctionalDropoutBlock(Block):
-    """Dropout as HF's OPT and BART layers write it: ``F.dropout`` of a float attribute, no ``nn.Dropout`` layer."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.nn.functional.dropout(self.mlp(self.norm(x)), p=0.3, training=self.training)
 
 
 class FunctionalDropoutTask(ToyTask):

@@ -6,7 +6,7 @@ from lightning_fuse import replay
 from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
-from tests.toy import Net
+from tests.toy import FunctionalDropoutBlock, Net
 
 
 def failing_backend(gm, example_inputs):
@@ -146,17 +146,6 @@ def test_a_first_output_that_cannot_be_checked_costs_the_region_never_the_run(re
     torch.testing.assert_close(net(x), expected, rtol=1e-5, atol=1e-5)  # and on, eagerly
     assert len([w for w in recwarn if "'blocks.1' falls back" in str(w.message)]) == 1
     tracker.remove()
-
-
-class FunctionalDropoutBlock(nn.Module):
-    """Dropout as HF's OPT and BART layers write it: ``F.dropout`` of a float attribute, no ``nn.Dropout`` layer."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear, self.dropout = nn.Linear(width, width), 0.5
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.dropout(self.linear(x), p=self.dropout, training=self.training)
 
 
 @pytest.mark.parametrize("backend", ["eager", wrong_backend], ids=["right", "wrong"])

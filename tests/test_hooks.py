@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.hooks import FitHooks
-from tests.toy import ToyTask
+from tests.toy import FunctionalDropoutBlock, ToyTask
 
 
 class CachedLM(nn.Module):
@@ -45,15 +45,10 @@ def test_install_then_remove_leaves_the_model_and_torch_as_they_were():
     assert not network._forward_pre_hooks and not network._forward_hooks
 
 
-class FunctionalDropout(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.dropout(x, p=0.5, training=self.training)
-
-
 def test_the_recorder_sees_whether_the_networks_calls_draw_random_numbers():
     """Dropout written as a function shows in no module tree, only in the generator it draws from: the search then
     does not hold the candidates' losses to eager's."""
-    for network, training, drew in ((FunctionalDropout(), False, False), (FunctionalDropout(), True, True),
+    for network, training, drew in ((FunctionalDropoutBlock(4), False, False), (FunctionalDropoutBlock(4), True, True),
                                     (nn.Linear(4, 4), True, False)):  # fmt: skip
         network.train(training)
         hooks = FitHooks()

@@ -18,6 +18,13 @@ class Block(nn.Module):
         return x + self.mlp(self.norm(x))
 
 
+class FunctionalDropoutBlock(Block):
+    """Dropout as HF's OPT and BART layers write it: ``F.dropout`` in the forward, no ``nn.Dropout`` layer."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.dropout(self.mlp(self.norm(x)), p=0.3, training=self.training)
+
+
 class Net(nn.Module):
     """An input layer, ``depth`` repeated blocks (``block(width)``), a head."""
 
