@@ -81,14 +81,16 @@ def resolve_regions(
 def find_repeated_blocks(root: nn.Module) -> list[str]:
     """Names of the children of every ``ModuleList``/``Sequential`` whose (two or more) children share one class.
 
-    The search does not descend into a block once found, so nested repeats inside a block stay part of it.
+    The search does not descend into a block once found, so nested repeats inside a block stay part of it. Blocks
+    that cannot be called (a ``ModuleList`` of ModuleLists, as HF's Funnel groups its layers) are searched
+    instead: compiled, their forward would never run.
     """
     found: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
             name = f"{prefix}.{child_name}" if prefix else child_name
-            if _is_repeated_container(child):
+            if _is_repeated_container(child) and not isinstance(child[0], (nn.ModuleList, nn.ModuleDict)):
                 found.extend(f"{name}.{block_name}" for block_name, _ in child.named_children())
             else:
                 visit(name, child)

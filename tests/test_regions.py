@@ -39,6 +39,14 @@ def test_auto_selects_repeated_blocks_in_nested_models():
     assert find_repeated_blocks(ToyTask()) == ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
 
 
+def test_auto_searches_inside_repeated_groups_that_cannot_be_called():
+    """HF's Funnel keeps its layers in a ModuleList of ModuleLists: a group has no forward, so compiling one
+    compiles nothing. Its layers are the blocks."""
+    model = nn.Module()
+    model.blocks = nn.ModuleList(nn.ModuleList(Layer() for _ in range(2)) for _ in range(2))
+    assert find_repeated_blocks(model) == ["blocks.0.0", "blocks.0.1", "blocks.1.0", "blocks.1.1"]
+
+
 def test_auto_without_repeats_falls_back_to_the_whole_model():
     model = nn.Module()
     model.net = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
