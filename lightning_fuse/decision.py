@@ -46,6 +46,8 @@ class Trial:
     """Its slowest timed call, ms: one slow call can hide a lead from the search's test."""
     tries: int = field(default=1, repr=False)
     """How many times it was installed and timed (a second time where its lead was within the noise)."""
+    of_baseline: float | None = field(default=None, repr=False)
+    """A side-by-side row's median over the baseline's timed around it (``None`` for the other trials)."""
 
     def timing(self) -> str:
         """Its median, and where known its slowest call and its tries: ``   7.51 ms, slowest 52.10, 2 tries``."""

@@ -135,12 +135,20 @@ def _measures_only(fit: FitState) -> bool:
 
 
 def _eager_verdict(fit: FitState) -> str:
-    """The search kept eager: say how the best candidate measured against it, and what finding out cost."""
-    eager = fit.decision.trials[0].ms
+    """The search kept eager: say how the best candidate measured against it, and what finding out cost (beside
+    eager where the search timed them side by side: the machine's speed moved, and its decision stands on those)."""
+    eager = fit.decision.trials[0]
+    beside = [t for t in fit.decision.side_by_side if t.of_baseline]
     timed = [t for t in fit.decision.trials[1:] if t.ms is not None]
-    best = min(timed, key=lambda t: t.ms) if timed else None
-    against = f"the best plan, {best.name}, ran at {eager / best.ms:.2f}x of eager" if best and eager else (
-        "every other plan failed")
+    if beside:
+        best = min(beside, key=lambda t: t.of_baseline)
+        name = best.name.removesuffix(f" beside {eager.name}")
+        against = f"the best plan, {name}, ran at {1 / best.of_baseline:.2f}x of eager timed around it"
+    elif timed and eager.ms:
+        best = min(timed, key=lambda t: t.ms)
+        against = f"the best plan, {best.name}, ran at {eager.ms / best.ms:.2f}x of eager"
+    else:
+        against = "every other plan failed"
     return (f"FuseCallback: 1.00x, kept eager: no plan was clearly faster on this {fit.setting.device.type.upper()} "
             f"({against}); compile {fit.tracker.total_s:.0f} s spent finding out")
 

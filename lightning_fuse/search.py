@@ -142,6 +142,7 @@ class PlanSearch:
         for plan in self.candidates:
             skip = self._skip_reason(plan, trials)
             trials.append(Trial(plan.name, outcome=f"skipped: {skip}") if skip else self._try(plan, call, trials))
+        first_times = self._times.get(self.candidates[0].name)
         again = self._baseline_again(call, trials)
         side_by_side: list[Trial] = []
         if _drifted(trials[0], again):
@@ -149,6 +150,7 @@ class PlanSearch:
                               "beside it")
             side_by_side, scores = self._side_by_side(call, trials)
         else:
+            self._times[self.candidates[0].name] = first_times  # judged as the skips were: on the first timing
             timed = (t for t in trials if t.ms is not None)
             scores = {t.name: (t.ms, t is trials[0] or self._beats_baseline(t, trials)) for t in timed}
         return Decision(_judge(trials, scores), trials, baseline_again=again, side_by_side=side_by_side)
@@ -172,7 +174,8 @@ class PlanSearch:
                 continue
             ratio, clear = trial.ms / statistics.median(around), clearly_faster(self._times[plan.name], around)
             noise = ": within its noise" if ratio < 1 and not clear else ""
-            rows.append(Trial(name, trial.ms, f"{ratio:.2f}x of {baseline.name} around it{noise}", trial.slowest))
+            rows.append(Trial(name, trial.ms, f"{ratio:.2f}x of {baseline.name} around it{noise}", trial.slowest,
+                              of_baseline=ratio))  # fmt: skip
             scores[plan.name] = (ratio, clear)
         return rows, scores
 

@@ -1,10 +1,12 @@
 """The plan chosen by measurement (lightning_fuse.search): injected timings, failures, pruning, ranks, the cache."""
 
+from types import SimpleNamespace
+
 import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_fuse import FuseCallback
+from lightning_fuse import FuseCallback, measurement
 from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.graphs import graph_target
@@ -291,6 +293,18 @@ def test_the_baseline_is_timed_again_after_the_candidates_and_a_small_drift_is_r
     assert alone.baseline_again is None, "no candidate timed: nothing to compare eager with again"
 
 
+def test_a_plan_that_skipped_another_by_beating_eager_is_judged_on_the_same_timing_of_eager():
+    """HF CodeGen on CPU: regions beat eager's first timing, so compile was skipped; eager's second timing, 0.95x
+    its first, then left regions within the noise, and eager was kept with compile never tried."""
+    clock = Clock()
+    plans = [Drifting("eager", 9.6, clock, 0.95), Timed("regions", 9.2, clock),
+             Timed("compile", 5.0, clock, dominated_by=("regions",))]  # fmt: skip
+    decision = run(plans, clock)
+    assert decision.baseline_again.ms == pytest.approx(9.12) and decision.side_by_side == []
+    assert decision.winner == "regions", "compile was skipped because regions ran faster than eager"
+    assert decision.trials[2].outcome == "skipped: regions does what it does and ran faster than eager"
+
+
 def test_where_the_machine_drifted_each_candidate_is_judged_beside_the_baseline_timed_around_it():
     """FSDP on 2x H200: one cold search timed eager at 79.7 ms, regions at 88.7 and compile at 91.5, then eager again
     at 100.9 (1.27x), and kept eager; the fit that chose compile at the same size ran 0.72x of eager."""
@@ -309,6 +323,19 @@ def test_where_the_machine_drifted_each_candidate_is_judged_beside_the_baseline_
     assert back.side_by_side == decision.side_by_side and back.lines() == decision.lines()
     old = Decision.from_json('{"winner": "eager", "trials": [{"name": "eager", "ms": 3.0, "outcome": "chosen"}]}')
     assert old.baseline_again is None and old.side_by_side == [], "a decision stored by an earlier version"
+
+
+def test_the_kept_eager_verdict_quotes_the_timings_the_decision_stood_on():
+    """A tiny HF Mixtral on CPU: eager's first timing read 988.9 ms, compile's 15.2; beside eager, timed again
+    around it, compile ran 1.79x of eager and eager was kept, but the verdict said compile "ran at 65.26x"."""
+    clock = Clock()
+    decision = run([Drifting("eager", 10, clock, 0.5), Timed("compile", 8, clock)], clock)
+    assert decision.winner == "eager", "eager: 10 ms, then 5 and 2.5 around compile's 8"
+    fit = SimpleNamespace(decision=decision, setting=SimpleNamespace(device=torch.device("cpu")),
+                          tracker=SimpleNamespace(total_s=3.0))  # fmt: skip
+    assert measurement._eager_verdict(fit) == ("FuseCallback: 1.00x, kept eager: no plan was clearly faster on this "
+                                               "CPU (the best plan, compile, ran at 0.47x of eager timed around it); "
+                                               "compile 3 s spent finding out")  # fmt: skip
 
 
 def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_baseline():
