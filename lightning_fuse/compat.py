@@ -34,6 +34,7 @@ import importlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -98,6 +99,7 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
                    "mode such as reduce-overhead", required=False),
         PrivateAPI("torch._dynamo.utils.counters", "counting graph breaks and cache hits", required=False),
         PrivateAPI("torch._dynamo.utils.get_compilation_metrics", "reading recompile reasons", required=False),
+        PrivateAPI("torch._dynamo.eval_frame._debug_get_cache_entry_list", "counting compiled entries", required=False),
         PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting cudagraph trees' graphs", required=False),
         PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
         PrivateAPI("torch._inductor.config.triton.cudagraph_capture_sizes", "capping graph sizes", required=False),
@@ -109,8 +111,7 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch.cuda._get_nvml_device_index", "NVML's index of a CUDA device", required=False),
         PrivateAPI("torch._foreach_copy_", "copying the gradients into a captured update's buffers in one launch"),
         PrivateAPI("torch._foreach_add_", "adding a replayed backward's gradients to those held, in one launch"),
-        PrivateAPI("torch._C._cuda_clearCublasWorkspaces", "giving each CUDA graph cuBLAS workspaces in its own memory",
-                   required=False),
+        PrivateAPI("torch._C._cuda_clearCublasWorkspaces", "private cuBLAS workspaces per CUDA graph", required=False),
         *(PrivateAPI(f"torch.Tensor.{name}", "telling whether anything watches a parameter's gradient arrive",
                      required=False) for name in ("_backward_hooks", "_post_accumulate_grad_hooks")),
         *(PrivateAPI(f"torch.optim.optimizer.{name}", "telling a captured optimizer update from one with step hooks",
@@ -175,12 +176,9 @@ def _get(path: str) -> Any:
             except ImportError:
                 raise TorchAPIChanged(path, api.why) from None
     if not _tested(TORCH_VERSION, api.tested):
-        _warn_once(
-            f"version {api.tested}",
-            f"lightning_fuse: torch {torch.__version__} is outside the versions its private torch APIs were checked "
-            f"with (torch{api.tested}). They are still looked up as they are used, and lightning_fuse raises where "
-            "one is gone (lightning_fuse.compat lists them).",
-        )
+        _warn_once(f"version {api.tested}", f"lightning_fuse: torch {torch.__version__} is outside the versions its "
+                   f"private torch APIs were checked with (torch{api.tested}). They are still looked up as they are "
+                   "used, and lightning_fuse raises where one is gone (lightning_fuse.compat lists them).")
     return obj
 
 
@@ -447,6 +445,21 @@ def dynamo_counters() -> Mapping[str, Counter]:
     return _optional("torch._dynamo.utils.counters", defaultdict(Counter))
 
 
+def cache_entries(code: CodeType) -> int:
+    """How many compiled entries dynamo keeps on ``code`` (0 where this torch cannot say).
+
+    Why private: only ``torch._dynamo.eval_frame._debug_get_cache_entry_list`` lists them. Entries stay for the
+    process's life, and dynamo's recompile limit counts them: HF's forwards share one decorator's code, so every
+    model class compiled before in a process (a sweep over models in a notebook) takes one from the limit.
+
+    Example::
+
+        >>> cache_entries((lambda: None).__code__)
+        0
+    """
+    return len(_optional("torch._dynamo.eval_frame._debug_get_cache_entry_list", lambda code: [])(code))
+
+
 def compilation_metrics() -> list[Any]:
     """Dynamo's record of each compile so far (each with a ``recompile_reason``), oldest first.
 
@@ -458,7 +471,7 @@ def compilation_metrics() -> list[Any]:
         >>> isinstance(compilation_metrics(), list)
         True
     """
-    return list(_optional("torch._dynamo.utils.get_compilation_metrics", lambda: [])())
+    return list(_optional("torch._dynamo.utils.get_compilation_metrics", list)())
 
 
 def cap_cudagraph_sizes(sizes: Container[Any]) -> Callable[[], None]:

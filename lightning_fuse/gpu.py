@@ -25,19 +25,19 @@ import importlib
 import logging
 import threading
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
-
-from lightning_fuse import compat
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_fuse import compat
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +360,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     return _peak_flops_for(name, device, dtype, torch.get_float32_matmul_precision())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _peak_flops_for(name: str, device: torch.device, dtype: torch.dtype, fp32_precision: str) -> float | None:
     """Look the peak up once per (name, dtype, precision), so that the miss warning fires once."""
     key: torch.dtype | str = "tfloat32" if dtype is torch.float32 and fp32_precision != "highest" else dtype

@@ -101,13 +101,17 @@ class FitHooks:
             handle.remove()
         self._recorder = []
 
-    def raise_recompile_limit(self, regions: int, limit: int) -> None:
-        """Raise dynamo's recompile limit for ``regions`` regions that may recompile ``limit`` times each
-        (:meth:`remove` puts it back)."""
+    def raise_recompile_limit(self, regions: int, limit: int, modules: Sequence[nn.Module] = ()) -> None:
+        """Raise dynamo's recompile limit for ``regions`` regions that may recompile ``limit`` times each, above the
+        entries that earlier compiles in this process left on ``modules``' forward code (:meth:`remove` puts it
+        back). Where those entries reached the limit, dynamo would run every call eagerly, without a word."""
         self.saved_recompile_limit = compat.dynamo_recompile_limit()
         # Regions of one class share dynamo's cache (one code object), so dynamo's own per-code limit (8) would be
         # reached before ours; our limit is per region and enforced in compiler.CompiledRegion.
-        compat.set_dynamo_recompile_limit(max(self.saved_recompile_limit, min(256, (limit + 1) * max(1, regions))))
+        codes = (getattr(type(module).forward, "__code__", None) for module in modules)
+        left = max((compat.cache_entries(code) for code in codes if code is not None), default=0)
+        wanted = min(256, left + (limit + 1) * max(1, regions))
+        compat.set_dynamo_recompile_limit(max(self.saved_recompile_limit, wanted))
 
     def set_plan_step(self, plan_step: bool, reference: bool = False) -> None:
         """The plan's steps (``plan_step``) run without the KV cache and, where the lengths vary, without cuDNN

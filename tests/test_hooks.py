@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from lightning.pytorch.plugins import Precision
 from torch import nn
@@ -58,6 +60,32 @@ def test_the_recorder_sees_whether_the_networks_calls_draw_random_numbers():
         assert hooks.random.drew is drew
         network(torch.ones(2, 4))  # no longer watched
         assert not network._forward_pre_hooks and not network._forward_hooks
+
+
+def test_the_recompile_limit_rises_above_what_earlier_fits_left_on_a_shared_forward():
+    """HF's forwards share one decorator's code: each model class compiled earlier in the process left an entry
+    there, and dynamo counts them against its limit. At the tenth fit of a sweep over classes in one process,
+    every call ran eagerly while the plan said regions."""
+
+    def shared(forward):
+        @functools.wraps(forward)
+        def wrapper(self, x):
+            return forward(self, x)
+
+        return wrapper
+
+    classes = [type(f"Net{i}", (nn.Linear,), {"forward": shared(nn.Linear.forward)}) for i in range(3)]
+    torch._dynamo.reset()
+    for cls in classes:
+        torch.compile(cls(2, 2), backend="eager")(torch.zeros(1, 2))
+    assert compat.cache_entries(classes[0].forward.__code__) == 3, "one entry per class, on the shared code"
+    before = compat.dynamo_recompile_limit()
+    hooks = FitHooks()
+    hooks.raise_recompile_limit(regions=1, limit=2, modules=[classes[0](2, 2)])
+    assert compat.dynamo_recompile_limit() == max(before, 3 + 3), "(2 + 1) recompiles above the 3 left"
+    hooks.remove()
+    assert compat.dynamo_recompile_limit() == before
+    torch._dynamo.reset()
 
 
 def test_a_recompile_limit_already_higher_is_kept():
