@@ -143,7 +143,7 @@ def _eager_verdict(fit: FitState) -> str:
     if beside:
         best = min(beside, key=lambda t: t.of_baseline)
         name = best.name.removesuffix(f" beside {eager.name}")
-        against = f"the best plan, {name}, ran at {1 / best.of_baseline:.2f}x of eager timed around it"
+        against = f"the best plan, {name}, timed again beside eager, ran at {1 / best.of_baseline:.2f}x of eager"
     elif timed and eager.ms:
         best = min(timed, key=lambda t: t.ms)
         against = f"the best plan, {best.name}, ran at {eager.ms / best.ms:.2f}x of eager"

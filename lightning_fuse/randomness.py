@@ -1,10 +1,12 @@
-"""Whether a call draws random numbers, read off the default generator of the device it runs on.
+"""Whether a call draws random numbers, read off the default generator of the device it runs on and the host's.
 
 Dropout written as a layer (``nn.Dropout``) shows in the module tree; dropout written as a function does not
 (``F.dropout(x, p=self.dropout, training=self.training)``, as in HF's OPT and BART layers, or a stochastic depth
 of one's own). Both advance the device's default generator, so FuseCallback watches the generator around the calls
 it runs eagerly: a training call that drew numbers cannot match its compiled self (inductor draws others), so its
-output and loss are not held to eager's.
+output and loss are not held to eager's. The host's global generators are watched too: HF's Wav2Vec2 and HuBERT
+draw their SpecAugment masks with ``np.random``, which a compiled call draws again (dynamo runs it at a graph
+break), so the masks differ from eager's as dropout's do.
 
 Example::
 
@@ -14,14 +16,21 @@ Example::
     ...     _ = torch.nn.functional.dropout(torch.ones(4), p=0.5)
     >>> watch.drew
     True
+    >>> import numpy as np
+    >>> with RandomDraws().around(torch.device("cpu")) as host:
+    ...     _ = np.random.rand(2)
+    >>> host.drew
+    True
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -36,6 +45,12 @@ def generator_state(device: torch.device) -> torch.Tensor | None:
     if device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         return torch.cuda.get_rng_state(device)
     return None
+
+
+def host_state() -> tuple[Any, ...]:
+    """The state of the host's global generators, Python's ``random`` and NumPy's, in a form ``==`` compares."""
+    numpy_state = np.random.get_state()  # ('MT19937', keys, position, has_gauss, cached_gaussian)
+    return (random.getstate(), numpy_state[1].tobytes(), *numpy_state[2:])
 
 
 def call_device(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
@@ -62,16 +77,18 @@ class RandomDraws:
         self.drew = False
         self._device: torch.device | None = None
         self._before: torch.Tensor | None = None
+        self._host_before: tuple[Any, ...] | None = None
 
     def start(self, device: torch.device) -> None:
-        self._device, self._before = device, generator_state(device)
+        self._device, self._before, self._host_before = device, generator_state(device), host_state()
 
     def stop(self) -> None:
-        if self._device is None or self._before is None:
+        if self._device is None:
             return
-        after = generator_state(self._device)
-        self.drew = self.drew or (after is not None and not torch.equal(after, self._before))
-        self._device = self._before = None
+        after = generator_state(self._device) if self._before is not None else None
+        device_drew = after is not None and not torch.equal(after, self._before)
+        self.drew = self.drew or device_drew or host_state() != self._host_before
+        self._device = self._before = self._host_before = None
 
     @contextmanager
     def around(self, device: torch.device) -> Iterator[RandomDraws]:

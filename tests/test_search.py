@@ -333,9 +333,9 @@ def test_the_kept_eager_verdict_quotes_the_timings_the_decision_stood_on():
     assert decision.winner == "eager", "eager: 10 ms, then 5 and 2.5 around compile's 8"
     fit = SimpleNamespace(decision=decision, setting=SimpleNamespace(device=torch.device("cpu")),
                           tracker=SimpleNamespace(total_s=3.0))  # fmt: skip
-    assert measurement._eager_verdict(fit) == ("FuseCallback: 1.00x, kept eager: no plan was clearly faster on this "
-                                               "CPU (the best plan, compile, ran at 0.47x of eager timed around it); "
-                                               "compile 3 s spent finding out")  # fmt: skip
+    assert measurement._eager_verdict(fit) == (
+        "FuseCallback: 1.00x, kept eager: no plan was clearly faster on this CPU (the best plan, compile, timed again "
+        "beside eager, ran at 0.47x of eager); compile 3 s spent finding out")
 
 
 def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_baseline():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -23,6 +24,15 @@ class FunctionalDropoutBlock(Block):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + nn.functional.dropout(self.mlp(self.norm(x)), p=0.3, training=self.training)
+
+
+class NumpyMaskBlock(Block):
+    """A training-time mask drawn with NumPy, as HF's Wav2Vec2 and HuBERT draw their SpecAugment masks."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x * torch.from_numpy(np.random.rand(*x.shape[:-1]) > 0.3).to(x)[..., None]
+        return x + self.mlp(self.norm(x))
 
 
 class Net(nn.Module):
