@@ -325,6 +325,18 @@ def test_where_the_machine_drifted_each_candidate_is_judged_beside_the_baseline_
     assert old.baseline_again is None and old.side_by_side == [], "a decision stored by an earlier version"
 
 
+def test_where_the_machine_drifted_a_candidate_skipped_for_a_plan_that_lost_beside_eager_is_timed_beside_it():
+    """HF ESM and LayoutLM on a busy CPU: regions beat eager's first timing (a slow one), so compile was skipped;
+    beside eager regions was slower, eager was kept, and compile was never timed."""
+    clock = Clock()
+    plans = [Drifting("eager", 10, clock, 0.5), Timed("regions", 9, clock),
+             Timed("compile", 1, clock, dominated_by=("regions",))]  # fmt: skip
+    decision = run(plans, clock)
+    assert [t.name for t in decision.side_by_side] == ["regions beside eager", "compile beside eager"]
+    assert decision.side_by_side[1].outcome == "0.53x of eager around it", "1 ms between eager's 2.5 and 1.25"
+    assert decision.winner == "compile" and decision.trials[2].outcome == "chosen"
+
+
 def test_the_kept_eager_verdict_quotes_the_timings_the_decision_stood_on():
     """A tiny HF Mixtral on CPU: eager's first timing read 988.9 ms, compile's 15.2; beside eager, timed again
     around it, compile ran 1.79x of eager and eager was kept, but the verdict said compile "ran at 65.26x"."""
