@@ -5,8 +5,8 @@ Dropout written as a layer (``nn.Dropout``) shows in the module tree; dropout wr
 of one's own). Both advance the device's default generator, so FuseCallback watches the generator around the calls
 it runs eagerly: a training call that drew numbers cannot match its compiled self (inductor draws others), so its
 output and loss are not held to eager's. The host's global generators are watched too: HF's Wav2Vec2 and HuBERT
-draw their SpecAugment masks with ``np.random``, which a compiled call draws again (dynamo runs it at a graph
-break), so the masks differ from eager's as dropout's do.
+draw their SpecAugment masks with ``np.random``, so a compiled call's masks differ from those of the eager call it
+is checked against, as dropout's do.
 
 Example::
 
