@@ -269,6 +269,22 @@ def vit(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     return net, hf_loss, image_batches(batch, net.config.image_size, net.config.num_labels, as_dict=True)
 
 
+def speech_batches(batch: int, samples: int, vocab: int, label_len: int) -> list[dict]:
+    """CTC batches: raw audio (``samples`` a row) and transcripts of ``label_len`` tokens, none the blank (0)."""
+    return [{"input_values": torch.randn(batch, samples), "labels": torch.randint(1, vocab, (batch, label_len))}
+            for _ in range(DISTINCT_BATCHES)]  # fmt: skip
+
+
+def wav2vec2(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """Wav2Vec2 for CTC (wav2vec2-base's shape) on 2 s of 16 kHz audio: SpecAugment masks the frames in training
+    with NumPy's global generator, and the CTC loss selects the labels by a mask (a data-dependent shape)."""
+    tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, conv_dim=(32, 32),
+                conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2,
+                vocab_size=32)  # fmt: skip
+    net = _hf("Wav2Vec2Config", "Wav2Vec2ForCTC", dict(vocab_size=32), tiny, smoke)
+    return net, hf_loss, speech_batches(batch, 400 if smoke else 32000, net.config.vocab_size, 4 if smoke else 24)
+
+
 def torchvision_model(name: str, batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     classes = 10 if smoke else 1000
     net = getattr(torchvision.models, name)(num_classes=classes)
@@ -296,6 +312,7 @@ MODELS: dict[str, tuple[str, Callable, int, int]] = {
     "deberta": ("transformers", deberta, 16, 64),
     "t5": ("transformers", t5, 16, 64),
     "vit": ("transformers", vit, 32, 128),
+    "wav2vec2": ("transformers", wav2vec2, 8, 32),
     "resnet50": ("torchvision", partial(torchvision_model, "resnet50"), 32, 128),
     "mobilenet_v3_small": ("torchvision", partial(torchvision_model, "mobilenet_v3_small"), 64, 256),
     "efficientnet_b0": ("torchvision", partial(torchvision_model, "efficientnet_b0"), 32, 128),
