@@ -341,6 +341,7 @@ class StepClock(pl.Callback):
         cpu_steps = [ms for epoch_cpu in cpu.values() for ms in epoch_cpu]
         return {"step_ms": statistics.median(steps) if steps else None, "steps": self.batches,
                 "step_ms_q1": quartiles[0], "step_ms_q3": quartiles[2],
+                "step_ms_mean": statistics.mean(steps) if steps else None,  # a median hides re-recorded graphs
                 "timed_steps": len(steps), "setup_s": self.setup_s,
                 "train_start_s": None if self.train_start_s is None else round(self.train_start_s, 3),
                 "batch_starts_s": [round(at, 3) for at in self.batch_starts_s],  # both to the ms: their order holds
@@ -555,7 +556,7 @@ def pooled(run: Sequence[dict]) -> dict:
     if len(measured) < 2:
         return (measured or list(run))[-1]
     times = [r["step_ms"] for r in measured]
-    one_fit = {k: None for k in ("step_ms_q1", "step_ms_q3") if k in measured[-1]}
+    one_fit = {k: None for k in ("step_ms_q1", "step_ms_q3", "step_ms_mean") if k in measured[-1]}
     return {**measured[-1], **one_fit, "step_ms": statistics.median(times),
             "step_ms_range": f"{min(times):.2f}-{max(times):.2f}", "repeats": len(times)}  # fmt: skip
 

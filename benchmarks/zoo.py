@@ -30,9 +30,9 @@ from pathlib import Path
 import harness
 import models
 
-FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "setup_s_cold",
-          "setup_s_warm", "compile_s_cold", "compile_s_warm", "train_start_s", "batch_starts_s", "peak_gb", "plan",
-          "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
+FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "step_ms_mean",
+          "setup_s_cold", "setup_s_warm", "compile_s_cold", "compile_s_warm", "train_start_s", "batch_starts_s",
+          "peak_gb", "plan", "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
 DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM)}
 """Variants of the zoo's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
 ``fuse_eager_random`` (:data:`models.EAGER_RANDOM`): what drawing eager's dropout masks costs ``fuse``."""
