@@ -544,7 +544,8 @@ def crashed(record: dict) -> bool:
 def pooled(run: Sequence[dict]) -> dict:
     """One row for a key's records from one run (``--repeats``): the last one, with ``step_ms`` the median of the
     repeats that measured one, ``step_ms_range`` their least and greatest and ``repeats`` how many (a single
-    fit's quartiles dropped). Records that failed or were skipped count only when no repeat measured.
+    fit's quartiles dropped; ``step_ms_mean`` the median of the repeats' means). Records that failed or were skipped
+    count only when no repeat measured.
 
     Example::
 
@@ -556,7 +557,10 @@ def pooled(run: Sequence[dict]) -> dict:
     if len(measured) < 2:
         return (measured or list(run))[-1]
     times = [r["step_ms"] for r in measured]
-    one_fit = {k: None for k in ("step_ms_q1", "step_ms_q3", "step_ms_mean") if k in measured[-1]}
+    one_fit = {k: None for k in ("step_ms_q1", "step_ms_q3") if k in measured[-1]}
+    if "step_ms_mean" in measured[-1]:
+        means = [r.get("step_ms_mean") for r in measured]
+        one_fit["step_ms_mean"] = statistics.median(means) if None not in means else None
     return {**measured[-1], **one_fit, "step_ms": statistics.median(times),
             "step_ms_range": f"{min(times):.2f}-{max(times):.2f}", "repeats": len(times)}  # fmt: skip
 

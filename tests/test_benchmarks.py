@@ -150,6 +150,27 @@ def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows
     assert capsys.readouterr().out == text + "\n"
 
 
+def test_zoo_checks_mark_a_best_one_liner_whose_mean_step_is_slower_than_eager() -> None:
+    """HF Wav2Vec2 under reduce-overhead on an H200: a median of 23 ms, a mean of 141 (half its steps re-recorded
+    graphs). The check still holds fuse to the median; the mark and the closing line say what the median hides."""
+    import zoo
+
+    def row(variant: str, ms: float, **fields: Any) -> dict:
+        return {"model": "w", "batch_size": 8, "variant": variant, "step_ms": ms, "run_started": "2026-11-02",
+                **fields}  # fmt: skip
+
+    records = [row("eager", 36.0), row("fuse", 33.0, plan="eager"),
+               row("reduce_overhead", 24.0, step_ms_mean=140.0), row("reduce_overhead", 26.0, step_ms_mean=120.0),
+               row("compile", 43.0, step_ms_mean=43.5)]  # fmt: skip
+    lines = zoo.checks(records).splitlines()
+    assert lines[2] == "| w | 8 | 36.00 | 25.00‡ (reduce_overhead) | 33.00 | eager | 0.92 | 1.32 | - | - |"
+    assert lines[-1].endswith("in 0 of 1, geometric mean 1.32; cold setup <= 1.5x reduce-overhead's in 0 of 0; warm "
+                              "<= 0.25x cold in 0 of 0. ‡ The best one-liner's mean step is slower than eager's: w at "
+                              "8, reduce_overhead 130.0 ms against 36.0."), "the repeats' means pooled by their median"
+    records[2:4] = [row("reduce_overhead", 24.0, step_ms_mean=30.0)]
+    assert "‡" not in zoo.checks(records), "a mean faster than eager's: no mark"
+
+
 def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_unbucketed_fits(tmp_path, capsys):
     """The checks also mark a one line whose final loss missed eager's, naming both losses; it still holds fuse."""
     import patterns
