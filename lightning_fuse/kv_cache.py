@@ -37,8 +37,10 @@ from torch import nn
 class NoCacheInTraining:
     """While installed, ``module``'s training calls get ``use_cache=False`` unless they pass ``use_cache`` themselves.
 
-    It applies to a module with a config whose ``use_cache`` is on and whose forward takes ``use_cache`` (by name
-    or through ``**kwargs``, as a peft wrapper's does); to any other module it does nothing.
+    It applies to a module with a config whose ``use_cache`` is on and whose forward takes ``use_cache`` by name, or
+    through ``**kwargs`` to a wrapped model's forward that names it (a peft wrapper's ``get_base_model()``); to any
+    other module it does nothing. An encoder's config may hold ``use_cache`` and its forward ``**kwargs`` (BERT's
+    classifier in transformers 5): it builds no cache, and is left alone.
 
     Args:
         module: The network the training step calls.
@@ -104,7 +106,12 @@ def _cache_on(module: nn.Module) -> bool:
 
 def _takes_use_cache(module: nn.Module) -> bool:
     try:
-        parameters = inspect.signature(module.forward).parameters.values()
+        parameters = inspect.signature(module.forward).parameters
     except (TypeError, ValueError):  # a builtin or C-implemented forward
         return False
-    return any(p.name == "use_cache" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    if "use_cache" in parameters:
+        return True
+    passes_on = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    base = getattr(module, "get_base_model", None)  # peft: forward(*args, **kwargs) into the wrapped model
+    wrapped = base() if passes_on and callable(base) else None
+    return isinstance(wrapped, nn.Module) and wrapped is not module and _takes_use_cache(wrapped)

@@ -249,6 +249,29 @@ def test_a_user_passing_use_cache_keeps_it():
     assert not NoCacheInTraining(torch.nn.Linear(2, 2)).applies
 
 
+def test_use_cache_is_passed_only_where_a_forward_names_it_itself_or_through_a_wrapped_model():
+    """transformers 5's BERT classifier has ``use_cache`` on in its config and ``**kwargs`` in its forward, yet
+    builds no cache: FuseCallback once said it "takes use_cache" (BERT, ESM, LayoutLM). A peft-style wrapper,
+    ``forward(*args, **kwargs)`` around a causal LM, does pass it on."""
+    from lightning_fuse.kv_cache import NoCacheInTraining
+
+    class Wrapper(torch.nn.Module):  # as peft's PeftModelForCausalLM
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_model, self.config = model, model.config
+
+        def get_base_model(self) -> torch.nn.Module:
+            return self.base_model
+
+        def forward(self, *args, **kwargs):
+            return self.base_model(*args, **kwargs)
+
+    bert = tiny_bert_classifier()
+    assert bert.config.use_cache is True and not NoCacheInTraining(bert).applies
+    assert not NoCacheInTraining(Wrapper(bert)).applies
+    assert NoCacheInTraining(Wrapper(tiny_gpt2())).applies
+
+
 def test_the_network_compiled_whole_does_not_recompile_on_the_cache_hook():
     """``compile+graph`` compiles the network with its hooks: the hook must read nothing that changes after the
     first call (it once flipped an "announced" flag there, which recompiled the network and cost it its graph)."""
