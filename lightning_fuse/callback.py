@@ -287,7 +287,7 @@ class FuseCallback(Callback):
     def _judge_window(self, trainer: pl.Trainer, plan_ms: list[float] | None) -> None:
         """The running guard: at each window's end (``plan_ms``, its plan steps), with ``mode="auto"``, a plan under
         torch's CUDA graphs that met more sizes than they record hands over to the same compile without graphs
-        (:meth:`~lightning_fuse.fit.FitState.hand_over`), and a plan whose median step was slower than eager's is
+        (:meth:`~lightning_fuse.fit.FitState.hand_over`), and a plan whose mean step was slower than eager's is
         dropped mid-epoch; rank zero's word decides (one collective per window, on the same step on every rank)."""
         if plan_ms is None or not self._plan_is_judged():
             return
@@ -298,7 +298,7 @@ class FuseCallback(Callback):
             self.fit.hand_over(successor, store=trainer.is_global_zero)
             return
         where = f"over its last {window} steps in epoch {trainer.current_epoch}"
-        self._drop_plan_below_margin(speedup, f"{where} (median step, compiling steps included)", trainer.current_epoch)
+        self._drop_plan_below_margin(speedup, f"{where} (mean step, its slowest tenth left out)", trainer.current_epoch)
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone

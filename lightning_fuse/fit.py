@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.meters import GpuMeters, cudagraph_trees
 from lightning_fuse.plan import WITHOUT_GRAPHS, Plan, Setting, plan_graph
-from lightning_fuse.running_guard import BEFORE, PLAN, RunningGuard, window_speedup
+from lightning_fuse.running_guard import BEFORE, EXCUSED_RECORDINGS, PLAN, RunningGuard, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims)
 from lightning_fuse.timing import (COMPILED, EAGER, LEAD_IN, SKIPPED, UNKNOWN_EPOCH_STEPS, EagerSchedule,
@@ -73,6 +73,9 @@ class FitState:
     step_kind: str = SKIPPED
     step_compiles: int = 0
     step_recordings: int = 0
+    recording_steps: int = 0
+    """Steps so far in which torch's cudagraph trees recorded a graph (the first
+    :data:`~lightning_fuse.running_guard.EXCUSED_RECORDINGS` are left out of the timing as a one-time cost)."""
     step_context: ExitStack = field(default_factory=ExitStack)
     """The running step's contexts: the eager stance, the plan's modules bypassed, the FLOP counter."""
     pool: ReferencePool = field(default_factory=ReferencePool)
@@ -191,13 +194,16 @@ class FitState:
 
     def end_step(self) -> list[float] | None:
         """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled, captured a graph of
-        ours or recorded one of torch's cudagraph trees is kept out), its contexts left; at the end of a running
-        guard's window, that window's plan step times (recording steps left out, compiling ones in)."""
+        ours or recorded one of torch's cudagraph trees is kept out, recording ones up to
+        :data:`~lightning_fuse.running_guard.EXCUSED_RECORDINGS` a fit), its contexts left; at the end of a running
+        guard's window, that window's plan step times (excused recording steps left out, compiling ones in)."""
         graph = plan_graph(self.plan)
         compiled_now = self.tracker.total_compiles != self.step_compiles
         recorded_now = self.tracker.recordings != self.step_recordings
+        self.recording_steps += recorded_now
+        excused = recorded_now and self.recording_steps <= EXCUSED_RECORDINGS
         captured_now = graph is not None and graph.captured_during_last_call
-        self.timer.stop(SKIPPED if compiled_now or recorded_now or captured_now else self.step_kind)
+        self.timer.stop(SKIPPED if compiled_now or excused or captured_now else self.step_kind)
         if compiled_now or recorded_now:  # a one-time cost, which the optimizer graph's trial leaves out too
             for optimizer_graph in filter(None, self.optimizer_graphs):
                 optimizer_graph.leave_step_untimed()
@@ -207,7 +213,7 @@ class FitState:
         self.steps += 1
         if self.plan is None:  # the running guard's eager step before the plan ends where its device work does
             self.timer.wait_for_device()
-        return self.pace.end(judged=not recorded_now)
+        return self.pace.end(judged=not excused)
 
     def close_step_context(self) -> None:
         """Leave the running step's contexts, keeping the FLOPs it counted."""
