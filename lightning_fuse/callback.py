@@ -298,7 +298,8 @@ class FuseCallback(Callback):
             self.fit.hand_over(successor, store=trainer.is_global_zero)
             return
         where = f"over its last {window} steps in epoch {trainer.current_epoch}"
-        self._drop_plan_below_margin(speedup, f"{where} (mean step, its slowest tenth left out)", trainer.current_epoch)
+        how = "(mean step, compiling steps and the slowest tenth left out)"
+        self._drop_plan_below_margin(speedup, f"{where} {how}", trainer.current_epoch)
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone

@@ -196,7 +196,7 @@ class FitState:
         """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled, captured a graph of
         ours or recorded one of torch's cudagraph trees is kept out, recording ones up to
         :data:`~lightning_fuse.running_guard.EXCUSED_RECORDINGS` a fit), its contexts left; at the end of a running
-        guard's window, that window's plan step times (excused recording steps left out, compiling ones in)."""
+        guard's window, that window's plan step times (:meth:`~lightning_fuse.running_guard.RunningGuard.end`)."""
         graph = plan_graph(self.plan)
         compiled_now = self.tracker.total_compiles != self.step_compiles
         recorded_now = self.tracker.recordings != self.step_recordings
@@ -213,7 +213,7 @@ class FitState:
         self.steps += 1
         if self.plan is None:  # the running guard's eager step before the plan ends where its device work does
             self.timer.wait_for_device()
-        return self.pace.end(judged=not excused)
+        return self.pace.end(judged=not excused, one_time=compiled_now or captured_now)
 
     def close_step_context(self) -> None:
         """Leave the running step's contexts, keeping the FLOPs it counted."""

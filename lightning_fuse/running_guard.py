@@ -2,9 +2,10 @@
 
 The plan is chosen on a few calls of one recorded input; a plan that then crawls in training (it recompiles at
 every new sequence length, say) would otherwise run a whole epoch before the epoch-end check drops it.
-:class:`RunningGuard` times, on the host clock, each step from its start to its end: the plan's steps (a step that
-compiled counts: a recompile at every new length is the crawl), and eager's, each run of them (a reference chunk,
-lead-in included) up to where the device has run it (:meth:`RunningGuard.close_run`). A step in
+:class:`RunningGuard` times, on the host clock, each step from its start to its end: the plan's steps, and eager's,
+each run of them (a reference chunk, lead-in included) up to where the device has run it
+(:meth:`RunningGuard.close_run`). A plan step that compiled or captured a graph is a one-time cost, left out of its
+window's times, unless half the window's plan steps did so: a recompile at every new length is the crawl. A step in
 which torch's cudagraph trees recorded a graph counts as a step of its window, but its time is left out, for the
 fit's first :data:`EXCUSED_RECORDINGS` such steps: the sizes recorded are capped per fit
 (:data:`~lightning_fuse.compiler.TREE_SIZES`), so recording is a one-time cost, and the recordings of a few lengths
@@ -45,14 +46,14 @@ from collections.abc import Callable, Sequence
 from lightning_fuse.timing import EAGER, LEAD_IN
 
 GUARD_WINDOW = 30
-"""Steps in one window of the running guard: long enough that leaving out its slowest tenth
-(:data:`TRIMMED_SHARE`) shrugs off a few compiling or capturing steps, short enough that a crawling plan (3 s a step
-where eager takes 0.2 s) costs about 1.5 minutes."""
+"""Steps in one window of the running guard: long enough to judge a plan on the steps that neither compiled nor
+captured a graph (:meth:`RunningGuard.end`), short enough that a crawling plan (3 s a step where eager takes 0.2 s)
+costs about 1.5 minutes."""
 TRIMMED_SHARE = 0.1
-"""The share of a window's plan steps, the slowest, that :func:`window_speedup` leaves out: a compile or a capture
-is rare, and a cost that recurs in more steps than this shows. A median would hide one in fewer than half the
-steps: HF Wav2Vec2 under ``mode="reduce-overhead"`` on an H200 ran a median step of 23 ms against eager's 36, and a
-mean of 141 (torch's cudagraph trees recorded again in a quarter to half of its steps; ``benchmarks/RESULTS.md``)."""
+"""The share of a window's plan steps, the slowest, that :func:`window_speedup` leaves out (a pause of the host's):
+a cost that recurs in more steps than this shows. A median would hide one in fewer than half the steps: HF
+Wav2Vec2 under ``mode="reduce-overhead"`` on an H200 ran a median step of 23 ms against eager's 36, and a mean of
+141 (torch's cudagraph trees recorded again in a quarter to half of its steps; ``benchmarks/RESULTS.md``)."""
 EXCUSED_RECORDINGS = 40
 """Steps of a fit in which torch's cudagraph trees recorded a graph whose time is left out, as a one-time cost:
 one per size the trees may record (:data:`~lightning_fuse.compiler.TREE_SIZES`, 32) and a few for the first steps'
@@ -89,6 +90,7 @@ class RunningGuard:
         self.window = GUARD_WINDOW if window is None else window
         self._clock = clock
         self._plan_ms: list[float] = []
+        self._one_time_ms: list[float] = []  # the window's plan steps that compiled or captured a graph
         self._eager_ms: deque[float] = deque(maxlen=EAGER_RUNS)  # mean steps of the runs of eager steps
         self._before_ms: deque[float] = deque(maxlen=EAGER_SAMPLES)
         self._steps = 0
@@ -109,10 +111,12 @@ class RunningGuard:
             self._run = (now, 0)
         self._open = (kind, now)
 
-    def end(self, judged: bool = True) -> list[float] | None:
+    def end(self, judged: bool = True, one_time: bool = False) -> list[float] | None:
         """The step ended; at a window's end, that window's plan step times (ms), and the next window begins.
         ``judged=False``: the step counts in its window, but its time is left out (it recorded a CUDA graph; a run
-        of eager steps holding one is left out whole)."""
+        of eager steps holding one is left out whole). ``one_time``: it compiled or captured a graph; such steps
+        are left out of the window's times while they are fewer than half its plan steps (more: the plan crawls,
+        compiling at every step, and they are its times)."""
         if self._open is None:
             return None
         kind, start = self._open
@@ -122,14 +126,14 @@ class RunningGuard:
             self._before_ms.append(ms)
             return None  # windows count the steps since the plan was installed
         if kind == PLAN and judged:
-            self._plan_ms.append(ms)
+            (self._one_time_ms if one_time else self._plan_ms).append(ms)
         if self._run is not None:
             self._run = (self._run[0], self._run[1] + 1) if judged else None
         self._steps += 1
         if self._steps % self.window:
             return None
-        closed, self._plan_ms = self._plan_ms, []
-        return closed
+        steady, one_time_ms, self._plan_ms, self._one_time_ms = self._plan_ms, self._one_time_ms, [], []
+        return steady if len(one_time_ms) < len(steady) else steady + one_time_ms
 
     def close_run(self) -> None:
         """End the open run of eager steps where the device has run them all (call it after waiting for the

@@ -173,6 +173,25 @@ def test_a_step_that_recorded_a_graph_counts_in_its_window_without_its_time():
     assert guard.eager_ms() is None, "a run of eager steps holding a recording is left out whole"
 
 
+def test_steps_that_compiled_are_left_out_of_a_window_unless_half_of_it_compiled():
+    """A compile or a capture is a one-time cost (a window's mean would read a 4 s compile among fast steps as a
+    slow plan); a plan that compiles at every other step crawls, and those steps are its times."""
+    now = [0.0]
+    guard = RunningGuard(window=4, clock=lambda: now[0])
+
+    def window(steps: list[tuple[float, bool]]) -> list[float] | None:
+        closed = None
+        for ms, compiled in steps:
+            guard.begin(PLAN)
+            now[0] += ms / 1e3
+            closed = guard.end(one_time=compiled)
+        return closed
+
+    assert window([(4000.0, True), (5.0, False), (5.0, False), (5.0, False)]) == pytest.approx([5.0] * 3)
+    assert sorted(window([(900.0, True), (5.0, False), (900.0, True), (5.0, False)])) == pytest.approx(
+        [5.0, 5.0, 900.0, 900.0]), "half the window compiled: the crawl is judged"
+
+
 class PlanPerStep(Callback):
     """After FuseCallback: the plan in force at the end of every training step."""
 
@@ -295,7 +314,8 @@ def test_recordings_that_never_stop_count_once_the_fits_excused_ones_are_spent(m
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
     probe = PlanPerStep(fuse)
     t = trainer([fuse, probe], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0)
-    with pytest.warns(UserWarning, match=r"plan 'regions' dropped.*\(mean step, its slowest tenth left out\)"):
+    how = r"\(mean step, compiling steps and the slowest tenth left out\)"
+    with pytest.warns(UserWarning, match=r"plan 'regions' dropped.*" + how):
         t.fit(ToyTask(samples=16 * 100))
     assert fuse.fit.recording_steps > excused, "the excused ones were spent first"
     dropped_at = probe.plans.index("eager", fuse.fit.activation_step)
