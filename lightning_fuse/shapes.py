@@ -380,6 +380,11 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
         hint = (f"Dim {mismatch.group(1)} was marked dynamic, but the first compile specialised it (code that sets "
                 "it beside a static size, as an attention mask's other dims do): torch's automatic dynamic shapes "
                 "compile it dynamic now, nothing to do unless it keeps recompiling")
+    elif "G[" in reason and "size mismatch" not in reason:
+        hint = ("The guard is on a global Python value, not on an input's size, so `dynamic_dims` does not help: "
+                "dynamo compiles a version for each value the code meets. Where it grows call by call (a list each "
+                "layer appends to, as transformers records output_router_logits or output_attentions), each layer "
+                "compiles once, at the first step; turn that output off in training to compile one")
     else:
         hint = "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}"
     rank_zero_warn(f"FuseCallback: region {name!r} recompiled ({stats.recompiles}x so far). Reason: {reason}. {hint}.")

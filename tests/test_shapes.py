@@ -204,6 +204,19 @@ def test_lengths_found_varying_before_the_plan_compile_dynamic_from_the_plans_fi
     assert fuse.tracker.total_recompiles == 0, fuse.tracker.regions
 
 
+def test_a_recompile_on_a_global_value_does_not_ask_the_user_to_declare_a_dim():
+    """HF Mixtral with ``output_router_logits=True``: each layer appends its router logits to a list that dynamo
+    guards the length of, so each layer compiles once; the hint once pointed at ``dynamic_dims``."""
+    reason = ("0/2: len(G['__import_transformers_dot_utils_dot_output_capturing']._active_collector.context_var"
+              ".get()['router_logits']) == 4")
+    stats = RegionCompiles(recompiles_by_code=Counter({"0": 1}), recompile_reasons=[reason])
+    with pytest.warns(UserWarning, match="recompiled") as caught:
+        warn_recompile("model.model.layers.1", stats)
+    message = str(caught[0].message)
+    assert "global Python value" in message and "output_router_logits" in message
+    assert "declare it with `dynamic_dims`" not in message
+
+
 @pytest.mark.parametrize(("marked", "hint"), [({1}, "Dim 1 was marked dynamic, but the first compile specialised it"),
                                               ({0}, "declare it with `dynamic_dims`")])
 def test_a_recompile_over_a_dim_the_fit_marked_does_not_ask_the_user_to_declare_it(marked, hint):
