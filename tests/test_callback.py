@@ -299,8 +299,8 @@ def slow_regions_on_the_clocks(monkeypatch) -> list[float | None]:
         now[0] += 0.01
         return plain_call(self, *args, **kwargs)
 
-    def judged_end(self, judged=True):
-        closed = plain_end(self, judged)
+    def judged_end(self, judged=True, one_time=False):
+        closed = plain_end(self, judged, one_time)
         if closed is not None:
             windows.append(window_speedup(closed, self.eager_ms(), least=self.window // 2))
         return closed
