@@ -380,6 +380,10 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
         hint = (f"Dim {mismatch.group(1)} was marked dynamic, but the first compile specialised it (code that sets "
                 "it beside a static size, as an attention mask's other dims do): torch's automatic dynamic shapes "
                 "compile it dynamic now, nothing to do unless it keeps recompiling")
+    elif "GLOBAL_STATE" in reason:
+        hint = ("The code ran under another global setting than when it was compiled (grad mode, autocast, a "
+                "default dtype): dynamo compiles a version for each, so `dynamic_dims` does not help. Nothing to do "
+                "where the settings are few (part of a forward under torch.no_grad, as a loss's matcher runs)")
     elif "G[" in reason and "size mismatch" not in reason:
         hint = ("The guard is on a global Python value, not on an input's size, so `dynamic_dims` does not help: "
                 "dynamo compiles a version for each value the code meets. Where it grows call by call (a list each "

@@ -204,17 +204,19 @@ def test_lengths_found_varying_before_the_plan_compile_dynamic_from_the_plans_fi
     assert fuse.tracker.total_recompiles == 0, fuse.tracker.regions
 
 
-def test_a_recompile_on_a_global_value_does_not_ask_the_user_to_declare_a_dim():
-    """HF Mixtral with ``output_router_logits=True``: each layer appends its router logits to a list that dynamo
-    guards the length of, so each layer compiles once; the hint once pointed at ``dynamic_dims``."""
-    reason = ("0/2: len(G['__import_transformers_dot_utils_dot_output_capturing']._active_collector.context_var"
-              ".get()['router_logits']) == 4")
+@pytest.mark.parametrize(("reason", "hint"), [
+    ("0/2: len(G['__import_transformers_dot_utils_dot_output_capturing']._active_collector.context_var.get()"
+     "['router_logits']) == 4", "output_router_logits"),  # HF Mixtral: each layer appends to a list
+    ("22/0: GLOBAL_STATE changed: grad_mode", "another global setting"),  # HF DETR's matcher under no_grad
+])
+def test_a_recompile_on_a_global_does_not_ask_the_user_to_declare_a_dim(reason, hint):
+    """Guards on a global Python value or on global state (grad mode) are not an input's size: the hint once
+    pointed at ``dynamic_dims`` for both."""
     stats = RegionCompiles(recompiles_by_code=Counter({"0": 1}), recompile_reasons=[reason])
     with pytest.warns(UserWarning, match="recompiled") as caught:
         warn_recompile("model.model.layers.1", stats)
     message = str(caught[0].message)
-    assert "global Python value" in message and "output_router_logits" in message
-    assert "declare it with `dynamic_dims`" not in message
+    assert hint in message and "declare it with `dynamic_dims`" not in message
 
 
 @pytest.mark.parametrize(("marked", "hint"), [({1}, "Dim 1 was marked dynamic, but the first compile specialised it"),
