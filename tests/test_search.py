@@ -339,7 +339,10 @@ def test_where_the_machine_drifted_a_candidate_skipped_for_a_plan_that_lost_besi
 
 def test_the_kept_eager_verdict_quotes_the_timings_the_decision_stood_on():
     """A tiny HF Mixtral on CPU: eager's first timing read 988.9 ms, compile's 15.2; beside eager, timed again
-    around it, compile ran 1.79x of eager and eager was kept, but the verdict said compile "ran at 65.26x"."""
+    around it, compile ran 1.79x of eager and eager was kept, but the verdict said compile "ran at 65.26x". Its
+    figure is a speed, and says so: the trial lines' "0.06x of eager around it" is a time (an HF DeiT on a busy
+    CPU read "ran at 16.79x of eager" in its kept-eager verdict beside "0.06x of eager around it: within its
+    noise" in its trial lines)."""
     clock = Clock()
     decision = run([Drifting("eager", 10, clock, 0.5), Timed("compile", 8, clock)], clock)
     assert decision.winner == "eager", "eager: 10 ms, then 5 and 2.5 around compile's 8"
@@ -347,7 +350,12 @@ def test_the_kept_eager_verdict_quotes_the_timings_the_decision_stood_on():
                           tracker=SimpleNamespace(total_s=3.0))  # fmt: skip
     assert measurement._eager_verdict(fit) == (
         "FuseCallback: 1.00x, kept eager: no plan was clearly faster on this CPU (the best plan, compile, timed again "
-        "beside eager, ran at 0.47x of eager); compile 3 s spent finding out")
+        "beside eager, ran 0.47x as fast as eager); compile 3 s spent finding out")
+    noisy = run([Drifting("eager", 10, clock, 0.5), Timed("compile", 2, clock)], clock)
+    noisy.side_by_side[0].of_baseline = 0.8  # faster beside eager, not clearly (its scores are the search's)
+    assert measurement._eager_verdict(SimpleNamespace(**{**vars(fit), "decision": noisy})).split("(")[1] == (
+        "the best plan, compile, timed again beside eager, ran 1.25x as fast as eager, within its noise); compile 3 s "
+        "spent finding out")
 
 
 def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_baseline():
