@@ -289,6 +289,8 @@ def _judge(trials: list[Trial], scores: dict[str, Score]) -> str:
         trial.outcome = "chosen" if trial.name == winner else f"slower than {winner}"
         if not clear and score < scores[winner][0]:
             trial.outcome = f"not clearly faster than {trials[0].name}: within its noise"
+        if trial.ms is None:  # skipped at first, then timed beside the baseline: its time is on that line
+            trial.outcome += f" (timed beside {trials[0].name} only)"
     return winner
 
 
