@@ -67,6 +67,25 @@ class CallShapes:
         """The dim indices whose size changed between calls, in any tensor leaf."""
         return {dim for dims in self._varying().values() for dim in dims}
 
+    def static_sizes(self) -> dict[int, set[int]]:
+        """For each varying dim, the sizes it held only in tensor leaves where it never varied: marking those
+        dynamic would turn static code dynamic (an image batch's 3 channels beside text whose length varies in dim
+        1; the images' batch of 2 beside box counts that vary in dim 0).
+
+        Example::
+
+            >>> shapes = CallShapes()
+            >>> for length in (5, 9):
+            ...     shapes.add((), {"input_ids": torch.zeros(2, length), "pixel_values": torch.zeros(2, 3, 8, 8)})
+            >>> shapes.static_sizes()
+            {1: {3}}
+        """
+        varying, first = self._varying(), self._calls[0][1] if self._calls else ()
+        fixed = {dim: {shape[dim] for leaf, shape in enumerate(first)
+                       if shape is not None and dim < len(shape) and dim not in varying.get(leaf, ())}
+                 for dim in self.varying_dims}  # fmt: skip
+        return {dim: sizes - set(self.sizes(dim)) for dim, sizes in fixed.items()}
+
     def sizes(self, dim: int) -> list[int]:
         """The sizes seen at ``dim`` in the tensor leaves where that dim varies, sorted."""
         leaves = [leaf for leaf, dims in self._varying().items() if dim in dims]

@@ -141,7 +141,7 @@ def _search(fit: FitState, training: Training, pl_module: pl.LightningModule) ->
     # other shapes than training then calls them with (one recompile of every candidate, at its first step)
     mark_region_inputs(compat.tree_leaves((call.args, call.kwargs)), fit.setting.policy.dynamic_sizes)
     # compiled candidates compile the varying dims as dynamic from their first call: no recompile per length
-    fit.setting.policy.dynamic_sizes |= mark_dims((call.args, call.kwargs), fit.varying_dims)
+    fit.setting.policy.dynamic_sizes |= mark_dims((call.args, call.kwargs), fit.varying_dims, fit.static_sizes)
     consensus = Consensus(training.reduce_all, training.broadcast)
     deterministic = not changes_in_training(module) and not fit.hooks.random.drew  # F.dropout shows only there
     search = PlanSearch(fit.candidates, consensus, reference=call.last if deterministic else None)
@@ -157,7 +157,7 @@ def _hold_over_varying_shapes(fit: FitState) -> None:
     shapes = fit.hooks.shapes
     if not shapes.varies:
         return
-    fit.varying_dims = shapes.varying_dims
+    fit.varying_dims, fit.static_sizes = shapes.varying_dims, shapes.static_sizes()
     buckets = len(fit.hooks.buckets.sizes) if fit.hooks.buckets is not None else 0
     kept = for_varying_shapes(fit.candidates, buckets) if fit.searching else fit.candidates
     left_out = [plan for plan in fit.candidates if plan not in kept]

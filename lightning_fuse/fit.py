@@ -90,7 +90,9 @@ class FitState:
     partial_possible: dict[str, bool] = field(default_factory=dict)
     varying_dims: set[int] = field(default_factory=set)
     """The dims the shapes of the first training calls varied in: marked dynamic on every batch once the plan is
-    chosen."""
+    chosen, but for :attr:`static_sizes`."""
+    static_sizes: dict[int, set[int]] = field(default_factory=dict)
+    """Per varying dim, the sizes it held only in inputs where it never varied: not marked."""
     pace: RunningGuard = field(default_factory=RunningGuard)
     cache_at_start: tuple[int, int] = (0, 0)
     trees_at_start: tuple[int, int] = (0, 0)
@@ -225,7 +227,8 @@ class FitState:
         partial = self.partial_possible.get(stage)
         if partial is None:
             partial = self.partial_possible[stage] = can_yield_partial_batch(loaders())
-        self.setting.policy.dynamic_sizes = dims.apply(batch, partial) | mark_dims(batch, self.varying_dims)
+        marked = mark_dims(batch, self.varying_dims, self.static_sizes)
+        self.setting.policy.dynamic_sizes = dims.apply(batch, partial) | marked
 
     def eager_step_ms(self) -> float | None:
         """Eager's whole step for the running guard: the reference chunks it timed, else the reference pool's

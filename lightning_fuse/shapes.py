@@ -137,17 +137,23 @@ def can_yield_partial_batch(loaders: Any) -> bool:
     return not found and loaders is not None
 
 
-def mark_dims(batch: Any, dims: Collection[int]) -> set[tuple[int, int]]:
+def mark_dims(batch: Any, dims: Collection[int], static: Mapping[int, Collection[int]] | None = None
+              ) -> set[tuple[int, int]]:  # fmt: skip
     """Mark ``dims`` dynamic on every tensor of ``batch`` that has them (sizes 0 and 1 stay static, as dynamo
-    specialises them); returns the ``(dim, size)`` pairs marked, for :func:`mark_region_inputs`.
+    specialises them, and so do the sizes ``static`` names for a dim: those it held in inputs where it never
+    varied, :meth:`~lightning_fuse.call_shapes.CallShapes.static_sizes`); returns the ``(dim, size)`` pairs
+    marked, for :func:`mark_region_inputs`.
 
     Example::
 
         >>> mark_dims({"input_ids": torch.zeros(2, 7), "labels": torch.zeros(2)}, {1})
         {(1, 7)}
+        >>> mark_dims({"input_ids": torch.zeros(2, 7), "pixel_values": torch.zeros(2, 3, 4, 4)}, {1}, {1: {3}})
+        {(1, 7)}
     """
+    static = static or {}
     return {_mark(tensor, dim) for tensor in _tensors(batch) for dim in dims if dim < tensor.dim() and
-            tensor.shape[dim] > 1}  # fmt: skip
+            tensor.shape[dim] > 1 and tensor.shape[dim] not in static.get(dim, ())}  # fmt: skip
 
 
 def mark_region_inputs(args: Sequence[Any], sizes: set[tuple[int, int]]) -> None:

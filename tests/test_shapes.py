@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_fuse import FuseCallback
 from lightning_fuse.shapes import CompileTracker, DynamicDims, RegionCompiles, warn_recompile
 from tests.toy import ToyTask, trainer
-from tests.user_models import VariableLengthTask
+from tests.user_models import SequenceNet, VariableLengthTask
 
 
 def test_partial_last_batch_two_epochs_compile_at_most_twice_per_region():
@@ -201,6 +201,41 @@ def test_lengths_found_varying_before_the_plan_compile_dynamic_from_the_plans_fi
     trainer([fuse], max_epochs=2).fit(VariableLengthTask())
     assert fuse.fit.activation_step > 0 and fuse.fit.varying_dims == {1}
     assert fuse.tracker.stats("model.blocks.0").compiles == 1, "one compile, dynamic (blocks.1 runs its code)"
+    assert fuse.tracker.total_recompiles == 0, fuse.tracker.regions
+
+
+class TextAndImage(nn.Module):
+    """CLIP-style: a text tower over tokens whose length varies (dim 1), and an image tower on 3 channels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text, self.image = SequenceNet(), nn.Conv2d(3, 3, 1)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+        return self.text(tokens, mask) + self.image(image).mean((2, 3))
+
+
+class TextAndImageTask(VariableLengthTask):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = TextAndImage()
+
+    def training_step(self, batch, batch_idx):
+        image = torch.ones(batch["tokens"].shape[0], 3, 4, 4)
+        return torch.nn.functional.cross_entropy(self.model(batch["tokens"], batch["mask"], image), batch["labels"])
+
+
+def test_a_varying_dim_is_not_marked_where_it_held_a_fixed_size_in_inputs_that_never_varied():
+    """Text lengths vary in dim 1; the images' dim 1 is their 3 channels. Marking dim 1 on every input made the
+    image tower's channels dynamic too (a CPU sweep found it on HF DETR and YOLOS, whose box counts vary in dim 0
+    beside a fixed batch of images)."""
+    from lightning_fuse.shapes import mark_dims
+
+    fuse = FuseCallback(backend="aot_eager", mode="default", cache_dir=False)
+    trainer([fuse], max_epochs=1).fit(TextAndImageTask())
+    assert fuse.fit.varying_dims == {1} and fuse.fit.static_sizes == {1: {3}}
+    tokens, image = torch.zeros(2, 9), torch.zeros(2, 3, 4, 4)
+    assert mark_dims((tokens, image), fuse.fit.varying_dims, fuse.fit.static_sizes) == {(1, 9)}
     assert fuse.tracker.total_recompiles == 0, fuse.tracker.regions
 
 
