@@ -43,6 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from lightning_fuse.compiler import TREE_SIZES
 from lightning_fuse.timing import EAGER, LEAD_IN
 
 GUARD_WINDOW = 30
@@ -54,10 +55,10 @@ TRIMMED_SHARE = 0.1
 a cost that recurs in more steps than this shows. A median would hide one in fewer than half the steps: HF
 Wav2Vec2 under ``mode="reduce-overhead"`` on an H200 ran a median step of 23 ms against eager's 36, and a mean of
 141 (torch's cudagraph trees recorded again in a quarter to half of its steps; ``benchmarks/RESULTS.md``)."""
-EXCUSED_RECORDINGS = 40
-"""Steps of a fit in which torch's cudagraph trees recorded a graph whose time is left out, as a one-time cost:
-one per size the trees may record (:data:`~lightning_fuse.compiler.TREE_SIZES`, 32) and a few for the first steps'
-pieces. Past them, trees that keep recording cost the fit, and their steps are judged like any other."""
+EXCUSED_RECORDINGS = TREE_SIZES + 8
+"""Steps of a fit in which torch's cudagraph trees recorded a graph whose time is left out, as a one-time cost
+(40): one per size the trees may record (:data:`~lightning_fuse.compiler.TREE_SIZES`) and a few for the first
+steps' pieces. Past them, trees that keep recording cost the fit, and their steps are judged like any other."""
 PLAN = "plan"
 """A step that runs the plan (the eager reference's timed steps are :data:`~lightning_fuse.timing.EAGER`)."""
 BEFORE = "before"
