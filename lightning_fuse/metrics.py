@@ -253,8 +253,8 @@ def verdict_line(
         >>> verdict_line("regions + graph", rows, compile_s=31.2, break_even_step=310)
         'FuseCallback: 2.4x faster (2.3-2.5) with regions + graph; compile 31 s, paid back at step 310'
         >>> thin = verdict_line("regions", rows, compile_s=4.0, reference_steps=3, reference_cost=0.041)
-        >>> thin.split("; ")[2:]
-        ['reference thin: 3 eager steps', 'reference cost 4.1% of training time']
+        >>> thin.split("; ")[2].split(" (")[0], thin.split("; ")[3]  # what buys more: _reference_notes
+        ('reference thin: 3 eager steps', 'reference cost 4.1% of training time')
         >>> verdict_line("regions", [], compile_s=4.0, eager_steps=0)
         'FuseCallback: ran regions; speedup not measured (eager_steps=0); compile 4.0 s'
     """
@@ -266,7 +266,7 @@ def verdict_line(
         why = "eager_steps=0" if eager_steps == 0 else "no eager reference step was timed"
         return f"FuseCallback: ran {plan}; speedup not measured ({why}); {cost}"
     text, low_text, high_text = _numbers(point, low, high)
-    notes = _reference_notes(reference_steps, reference_cost)
+    notes = _reference_notes(reference_steps, reference_cost, eager_steps)
     if low_text is None:
         return f"FuseCallback: {text}x of eager with {plan} (too few reference steps for an interval); {cost}{notes}"
     interval = f"({low_text}-{high_text})"
@@ -291,11 +291,23 @@ def _payback(break_even_step: float | None, steps: int | None) -> str:
     return f", paid back at step {break_even_step:.0f}"
 
 
-def _reference_notes(steps: int | None, cost: float | None) -> str:
-    """What the verdict adds about the eager reference: that it is thin, that it cost more than its budget."""
+def _reference_notes(steps: int | None, cost: float | None, eager_steps: int | None = None) -> str:
+    """What the verdict adds about the eager reference: that it is thin, and what buys more (``eager_steps`` where
+    it caps the reference below a thin one, ``reference_budget`` otherwise), and that it cost more than its budget.
+
+    Example::
+
+        >>> _reference_notes(3, 0.068).split("; ")[1:]  # doctest: +NORMALIZE_WHITESPACE
+        ['reference thin: 3 eager steps (raise reference_budget for a narrower interval)',
+         'reference cost 6.8% of training time']
+        >>> _reference_notes(2, None, eager_steps=2)
+        '; reference thin: 2 eager steps (raise eager_steps for a narrower interval)'
+    """
     notes = ""
     if steps is not None and steps < THIN_REFERENCE:
-        notes += f"; reference thin: {steps} eager step{'' if steps == 1 else 's'}"
+        setting = "eager_steps" if eager_steps is not None and eager_steps < THIN_REFERENCE else "reference_budget"
+        plural = "" if steps == 1 else "s"
+        notes += f"; reference thin: {steps} eager step{plural} (raise {setting} for a narrower interval)"
     if cost is not None and cost > REFERENCE_BUDGET:
         notes += f"; reference cost {cost:.1%} of training time"
     return notes

@@ -131,12 +131,15 @@ def test_the_verdict_without_a_measurement_says_why():
 def test_the_verdict_names_a_thin_reference_and_one_that_cost_more_than_its_budget():
     history = [history_row(0, "regions", 2.4, 2.3, 2.5)]
     thin = verdict_line("regions", history, compile_s=3.0, reference_steps=5, reference_cost=0.041)
-    assert thin == ("FuseCallback: 2.4x faster (2.3-2.5) with regions; compile 3.0 s; reference thin: 5 eager steps; "
-                    "reference cost 4.1% of training time")
+    assert thin == ("FuseCallback: 2.4x faster (2.3-2.5) with regions; compile 3.0 s; reference thin: 5 eager steps "
+                    "(raise reference_budget for a narrower interval); reference cost 4.1% of training time")
     enough = verdict_line("regions", history, compile_s=3.0, reference_steps=10, reference_cost=0.02)
     assert enough == "FuseCallback: 2.4x faster (2.3-2.5) with regions; compile 3.0 s"  # two chunks, on budget
     no_interval = verdict_line("regions", [{"fuse/speedup": 1.7}], compile_s=1.0, reference_steps=1)
-    assert no_interval.endswith("for an interval); compile 1.0 s; reference thin: 1 eager step")
+    assert no_interval.endswith("for an interval); compile 1.0 s; reference thin: 1 eager step (raise "
+                                "reference_budget for a narrower interval)")
+    capped = verdict_line("regions", history, compile_s=3.0, reference_steps=4, eager_steps=4)
+    assert capped.endswith("reference thin: 4 eager steps (raise eager_steps for a narrower interval)")
     unmeasured = verdict_line("regions", [], compile_s=1.0, reference_steps=0, reference_cost=0.1)
     assert unmeasured == "FuseCallback: ran regions; speedup not measured (no eager reference step was timed); " \
         "compile 1.0 s"  # nothing to qualify  # fmt: skip
