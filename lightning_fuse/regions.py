@@ -25,6 +25,11 @@ from torch import nn
 from lightning_fuse.compat import fsdp_wrapped_module
 from lightning_fuse.options import AUTO, FULL, Target, normalize_targets
 
+MIN_BLOCK_SHARE = 0.1
+"""``"auto"`` takes the repeated blocks only where they hold at least this share of the network's parameters.
+Below it they are incidental, not the network's body: HF's Time Series Transformer with one layer a side repeats
+only its three 17-parameter output projections (1% of it), and "auto" compiles the whole network instead."""
+
 
 @dataclass(frozen=True)
 class Region:
@@ -55,7 +60,8 @@ def resolve_regions(
     """Resolve ``targets`` minus ``exclude`` on ``root`` into non-overlapping regions, outermost first.
 
     ``"auto"`` selects repeated blocks (children of an ``nn.ModuleList``/``nn.Sequential`` that share one class) when
-    they are all alike (same parameter shapes), and falls back to ``"full"`` otherwise; ``"full"`` selects every
+    they are all alike (same parameter shapes) and hold :data:`MIN_BLOCK_SHARE` of the parameters or more, and falls
+    back to ``"full"`` otherwise; ``"full"`` selects every
     top-level child that holds parameters. Overlapping matches keep the outermost module. An excluded module inside
     a selected one splits the selected module into its remaining children.
 
@@ -119,7 +125,7 @@ def format_plan(regions: Sequence[Region], root: nn.Module) -> str:
 def _match(target: Target, modules: dict[str, nn.Module], root: nn.Module, argument: str) -> set[str]:
     if target == AUTO:
         blocks = find_repeated_blocks(root)
-        return set(blocks) if blocks and _alike(root, blocks) else _top_level(modules)
+        return set(blocks) if blocks and _alike(root, blocks) and _hold_enough(root, blocks) else _top_level(modules)
     if target == FULL:
         return _top_level(modules)
     if isinstance(target, type):
@@ -160,6 +166,13 @@ def _alike(root: nn.Module, names: Sequence[str]) -> bool:
         (type(m).__name__, tuple(tuple(p.shape) for p in m.parameters())) for m in map(root.get_submodule, names)
     }
     return len(shapes) == 1
+
+
+def _hold_enough(root: nn.Module, names: Sequence[str]) -> bool:
+    """Whether the blocks hold at least :data:`MIN_BLOCK_SHARE` of ``root``'s parameters (the network's body)."""
+    total = sum(p.numel() for p in root.parameters())
+    held = sum(Region(name, root.get_submodule(name)).num_params for name in names)
+    return held >= MIN_BLOCK_SHARE * total
 
 
 def _top_level(modules: dict[str, nn.Module]) -> set[str]:

@@ -54,6 +54,17 @@ def test_auto_without_repeats_falls_back_to_the_whole_model():
     assert names(resolve_regions(model, "auto")) == ["net", "other"]
 
 
+def test_auto_compiles_the_whole_network_where_the_repeated_blocks_hold_almost_none_of_it():
+    """HF's Time Series Transformer with one layer a side repeats only three 17-parameter output projections, 1% of
+    its parameters: compiling those would leave the network eager. The whole network is compiled instead."""
+    model = nn.Module()
+    model.body = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    model.heads = nn.ModuleList(nn.Linear(64, 1) for _ in range(3))
+    assert names(resolve_regions(model, "auto")) == ["body", "heads"]
+    model.body = nn.Linear(64, 1)  # now the heads hold three quarters of the parameters: they are the body
+    assert names(resolve_regions(model, "auto")) == ["heads.0", "heads.1", "heads.2"]
+
+
 def test_globs_classes_and_class_names():
     model = Nested()
     assert names(resolve_regions(model, "encoder.layers.*.mlp")) == [f"encoder.layers.{i}.mlp" for i in range(3)]
