@@ -190,6 +190,7 @@ class CompiledRegion:
         """Why the region compiles nothing new: past ``recompile_limit`` its compiled code still runs the kinds of
         input it was compiled for, and a new kind runs eagerly (torch's ``eager_on_recompile`` stance)."""
         self._compiled = torch.compile(compat.plain_call(region.module), **options.kwargs())
+        self._settings = repr(options.kwargs())  # another plan's settings compile anew: a compile, not a recompile
         self._verified: set[ModeKey] = set()
         self._warned_recompile = False
         self._made_dynamic = False
@@ -234,7 +235,7 @@ class CompiledRegion:
         module = self.region.module
         before = self.tracker.total_compiles
         try:
-            with self.tracker.calling(self.name, mode), self._stance():
+            with self.tracker.calling(self.name, mode, self._settings), self._stance():
                 out = self._compiled(*args, **kwargs)
         except compat.control_flow_errors():
             raise  # torch's own signal through user code (checkpointing's early stop), not a failure

@@ -228,7 +228,8 @@ class RegionCompiles:
     compile_s: float = 0.0
     recompile_reasons: list[str] = field(default_factory=list)
     break_reasons: list[str] = field(default_factory=list)
-    modes: set[ModeKey] = field(default_factory=set)
+    modes: set[tuple[ModeKey, str]] = field(default_factory=set)
+    """The (mode, compile settings) pairs the region has been called under."""
 
     @property
     def recompiles(self) -> int:
@@ -242,11 +243,12 @@ class RegionCompiles:
 class CompileTracker:
     """Attributes dynamo's compiles to the region being called, using torch's own compile callbacks and metrics.
 
-    Compiles during a region's first call in a mode (train/eval, grad, inference) are expected, however many frames
-    that call compiles; any compile in a later call under a known mode is a recompile, with dynamo's
-    ``recompile_reason``. A compiled graph's backward, compiled at its first call, adds its time only; a CUDA graph
-    that torch's cudagraph trees record (their callbacks fire too) is no compile at all: it counts in
-    :attr:`recordings`.
+    Compiles during a region's first call in a mode (train/eval, grad, inference) under a plan's compile settings
+    are expected, however many frames that call compiles; any compile in a later call under a known mode and
+    settings is a recompile, with dynamo's ``recompile_reason``. Another plan's settings make torch compile the
+    same code anew (dynamo's BACKEND_MATCH): the plan's own compile, not a recompile for a new kind of input. A
+    compiled graph's backward, compiled at its first call, adds its time only; a CUDA graph that torch's cudagraph
+    trees record (their callbacks fire too) is no compile at all: it counts in :attr:`recordings`.
 
     Example::
 
@@ -284,18 +286,22 @@ class CompileTracker:
             self._installed = False
 
     @contextmanager
-    def calling(self, name: str, mode: ModeKey) -> Iterator[None]:
-        """Attribute compiles that happen inside the block to region ``name`` running in ``mode``."""
+    def calling(self, name: str, mode: ModeKey, settings: str = "") -> Iterator[None]:
+        """Attribute compiles that happen inside the block to region ``name`` running in ``mode`` under the compile
+        ``settings`` of a plan (e.g. ``repr`` of its ``torch.compile`` arguments)."""
         stats = self.stats(name)
-        recompiles_before = stats.recompiles
-        outer, self._current = self._current, (name, mode in stats.modes)
+        compiles_before, recompiles_before = stats.compiles, stats.recompiles
+        key = (mode, settings)
+        outer, self._current = self._current, (name, key in stats.modes)
         try:
             yield
         finally:
             self._current = outer
-            stats.modes.add(mode)
-            if stats.recompiles != recompiles_before:  # dynamo records its metrics once the frame is done
-                _extend_capped(stats.recompile_reasons, self._latest_recompile_reasons(), self._MAX_REASONS)
+            stats.modes.add(key)
+            if stats.compiles != compiles_before:  # dynamo records its metrics once the frame is done
+                new_metrics = self._new_metrics()  # read past a first compile's too (its BACKEND_MATCH reason)
+                if stats.recompiles != recompiles_before:
+                    _extend_capped(stats.recompile_reasons, _recompile_reasons(new_metrics), self._MAX_REASONS)
 
     def stats(self, name: str) -> RegionCompiles:
         return self.regions.setdefault(name, RegionCompiles())
@@ -334,13 +340,18 @@ class CompileTracker:
         if mode_seen:
             stats.recompiles_by_code[code] += 1
 
-    def _latest_recompile_reasons(self) -> list[str]:
+    def _new_metrics(self) -> list[Any]:
+        """Dynamo's compilation metrics recorded since the last call."""
         metrics = compilation_metrics()
         # compile ids restart after torch._dynamo.reset(), so find the new entries by identity
         start = next((i + 1 for i in range(len(metrics) - 1, -1, -1) if metrics[i] is self._last_metric), 0)
         self._last_metric = metrics[-1] if metrics else None
-        reasons = [m.recompile_reason for m in metrics[start:] if m.recompile_reason]
-        return reasons or ["a guard failed (dynamo recorded no reason; run with TORCH_LOGS=recompiles)"]
+        return list(metrics[start:])
+
+
+def _recompile_reasons(metrics: Sequence[Any]) -> list[str]:
+    reasons = [m.recompile_reason for m in metrics if m.recompile_reason]
+    return reasons or ["a guard failed (dynamo recorded no reason; run with TORCH_LOGS=recompiles)"]
 
 
 def explain_graph_break(reason: str) -> str:
@@ -372,17 +383,14 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
 
         >>> import warnings
         >>> stats = RegionCompiles(recompiles_by_code=Counter({"0": 1}),
-        ...                        recompile_reasons=["0/1: BACKEND_MATCH failure"])
+        ...                        recompile_reasons=["0/1: GLOBAL_STATE changed: grad_mode"])
         >>> with warnings.catch_warnings(record=True) as caught:
         ...     warnings.simplefilter("always"); warn_recompile("block", stats)
-        >>> "another of FuseCallback's plans compiled" in str(caught[0].message)
+        >>> "`dynamic_dims` does not help" in str(caught[0].message)
         True
     """
     reason = stats.recompile_reasons[-1] if stats.recompile_reasons else "unknown"
-    if "BACKEND_MATCH" in reason:
-        hint = ("another of FuseCallback's plans compiled this code with other settings (a mode, a backend): once "
-                "per plan it tries or hands over to, nothing to do")
-    elif (mismatch := re.search(r"size mismatch at index (\d+)", reason)) and int(mismatch.group(1)) in marked:
+    if (mismatch := re.search(r"size mismatch at index (\d+)", reason)) and int(mismatch.group(1)) in marked:
         hint = (f"Dim {mismatch.group(1)} was marked dynamic, but the first compile specialised it (code that sets "
                 "it beside a static size, as an attention mask's other dims do): torch's automatic dynamic shapes "
                 "compile it dynamic now, nothing to do unless it keeps recompiling")

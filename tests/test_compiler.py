@@ -272,3 +272,31 @@ def test_a_mode_joins_the_users_inductor_options_as_the_options_it_stands_for(mo
     monkeypatch.setattr("lightning_fuse.compat.mode_options", lambda mode: None)  # a torch without the table
     assert CompileOptions(mode="reduce-overhead", options={"fallback_random": True}).kwargs()["mode"] == (
         "reduce-overhead")  # fmt: skip
+
+
+def test_plans_that_compile_a_region_with_other_settings_spend_none_of_its_recompile_limit(recwarn):
+    """The search compiles each region once per candidate's settings (inductor's modes, eager-backend checks), and
+    torch compiles the same code anew for each (dynamo's BACKEND_MATCH). Those are the plans' compiles, not a
+    recompile for a new kind of input: they neither warn nor count against the chosen plan's ``recompile_limit``."""
+    net = Net()
+    tracker = CompileTracker()
+    tracker.install()
+    policy = RegionPolicy(recompile_limit=1, verify=False)
+    try:
+        for backend in ("eager", "aot_eager", "eager", "aot_eager"):  # four candidates, two settings between them
+            runner = CompiledRegion(Region("net", net), CompileOptions(backend=backend), tracker, policy)
+            runner.install()
+            net(torch.randn(4, 8))
+            runner.uninstall()
+        stats = tracker.stats("net")
+        assert stats.compiles == 2 and stats.recompiles == 0 and runner.closed_reason is None
+        assert not [w for w in recwarn if "recompiled" in str(w.message)]
+        torch._dynamo.config.automatic_dynamic_shapes = False
+        runner.install()
+        with pytest.warns(UserWarning, match=r"recompiled \(1x so far\). Reason: .*size mismatch"):
+            net(torch.randn(5, 8))  # a new kind of input: the chosen plan's first recompile, its reason dynamo's own
+        assert stats.recompiles == 1 and runner.closed_reason is None, "within recompile_limit=1"
+    finally:
+        torch._dynamo.config.automatic_dynamic_shapes = True
+        runner.uninstall()
+        tracker.remove()
