@@ -24,7 +24,15 @@ import torch
 
 from lightning_fuse.cache import cache_counters
 from lightning_fuse.meters import cudagraph_trees
-from lightning_fuse.metrics import epoch_metrics, measure_only_line, per_rank, scalars, summary_table, verdict_line
+from lightning_fuse.metrics import (
+    device_word,
+    epoch_metrics,
+    measure_only_line,
+    per_rank,
+    scalars,
+    summary_table,
+    verdict_line,
+)
 from lightning_fuse.plan import plan_graph
 from lightning_fuse.timing import EAGER, EagerSchedule, StepTimer, summarize
 
@@ -149,8 +157,9 @@ def _eager_verdict(fit: FitState) -> str:
         against = f"the best plan, {best.name}, ran {_as_fast(eager.ms / best.ms)}"
     else:
         against = "every other plan failed"
-    return (f"FuseCallback: 1.00x, kept eager: no plan was clearly faster on this {fit.setting.device.type.upper()} "
-            f"({against}); compile {fit.tracker.total_s:.0f} s spent finding out")
+    device = device_word(fit.setting.device.type)
+    return (f"FuseCallback: 1.00x, kept eager: no plan was clearly faster on this {device} ({against}); compile "
+            f"{fit.tracker.total_s:.0f} s spent finding out")
 
 
 def _as_fast(speed: float) -> str:

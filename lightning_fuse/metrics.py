@@ -177,6 +177,17 @@ def pooled_speedup(rows: Sequence[Row]) -> tuple[float | None, float | None, flo
 _DEVICE_WORDS = {"cuda": "GPU", "cpu": "CPU", "mps": "Apple GPU", "xpu": "Intel GPU"}
 
 
+def device_word(device_type: str) -> str:
+    """What a verdict calls a device of ``torch.device.type`` ``device_type``.
+
+    Example::
+
+        >>> device_word("cuda"), device_word("cpu")
+        ('GPU', 'CPU')
+    """
+    return _DEVICE_WORDS.get(device_type, device_type.upper())
+
+
 def measure_only_line(step_ms: float | None) -> str:
     """The verdict of a run that selects nothing to compile (``fuse=measure_only``): eager by design, timed.
 
@@ -210,7 +221,7 @@ def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: s
     if epoch is None:
         index, last = gone[-1]
         epoch = int(last.get("epoch", index))
-    device = _DEVICE_WORDS.get(device_type, device_type)
+    device = device_word(device_type)
     return f"FuseCallback: no gain on this {device} ({figure}) with {label}; dropped in epoch {epoch}, {rest}; {cost}"
 
 

@@ -357,6 +357,8 @@ def test_the_kept_eager_verdict_quotes_the_timings_the_decision_stood_on():
     assert measurement._eager_verdict(SimpleNamespace(**{**vars(fit), "decision": noisy})).split("(")[1] == (
         "the best plan, compile, timed again beside eager, ran 1.25x as fast as eager, within its noise); compile 3 s "
         "spent finding out")
+    on_gpu = SimpleNamespace(**{**vars(fit), "setting": SimpleNamespace(device=torch.device("cuda", 0))})
+    assert "no plan was clearly faster on this GPU (" in measurement._eager_verdict(on_gpu)  # it read "this CUDA"
 
 
 def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_baseline():
