@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -59,6 +60,10 @@ TIMED_CALLS = 5
 CLEAR_P = 0.05
 """A candidate is clearly faster than the baseline when a one-sided Mann-Whitney test of their timed calls gives
 less than this p (5 calls each: at most 4 of the 25 pairs may have the candidate's call slower)."""
+FAILURE_TRACEBACK = r"Error detected in \w+\. Traceback of forward call"
+"""What autograd's anomaly mode prints when a backward raises: the forward's traceback. AOTAutograd traces each
+compile's backward under that mode, so a candidate failing there printed it (HF Mixtral's search on an H200: four,
+some 40 lines each) for a failure its trial line names: :meth:`PlanSearch._trial` leaves it out."""
 DRIFT_LIMIT = 1.10
 """Where the baseline's second timing lies further than this factor from its first (either way), the candidates are
 timed again side by side with it. Within one timing the calls spread by 1-7% on the GPUs; on 2x H200 the baseline's
@@ -225,9 +230,11 @@ class PlanSearch:
         return ahead and not self._beats_baseline(trial, trials)
 
     def _trial(self, plan: Plan, call: Callable[[], None]) -> Trial:
-        failure, times = _unfit(plan, call), None
-        if failure is None:
-            failure, times = self._measure(plan, call)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=FAILURE_TRACEBACK)  # the trial's line names the failure
+            failure, times = _unfit(plan, call), None
+            if failure is None:
+                failure, times = self._measure(plan, call)
         if not self.consensus.agree(failure is None):
             return Trial(plan.name, outcome=f"failed: {failure or 'it failed on another rank'}")
         self._times[plan.name] = self.consensus.share(times)

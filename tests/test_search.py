@@ -86,6 +86,34 @@ def test_a_candidate_that_raises_or_is_not_what_it_claims_is_skipped():
     assert outcomes["regions+graph"] == "failed: no graph: its output holds a DynamicCache"
 
 
+class RaisesInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("called a synchronizing CUDA operation")
+
+
+def test_a_candidate_that_fails_in_a_backward_traced_under_anomaly_mode_prints_no_traceback(recwarn):
+    """AOTAutograd traces each compile's backward under autograd's anomaly mode, which prints the forward's traceback
+    when that backward raises: on an H200, HF Mixtral's search printed four of them, some 40 lines each, for failures
+    its trial lines already name. The trial names the failure; the traceback is left out."""
+    clock = Clock()
+    compiled = Timed("compile", 1, clock)
+
+    def call():
+        if compiled.installed:
+            with torch.autograd.detect_anomaly(check_nan=False):  # as AOTAutograd traces a backward
+                RaisesInBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+        clock.tick()
+
+    decision = PlanSearch([Timed("eager", 10, clock), compiled], clock=clock).run(call)
+    assert decision.trials[1].outcome == "failed: RuntimeError: called a synchronizing CUDA operation"
+    assert not [w for w in recwarn if "Traceback of forward call" in str(w.message)]
+
+
 def test_eager_wins_when_nothing_beats_it():
     clock = Clock()
     decision = run([Timed("eager", 5, clock), Timed("regions", 6, clock)], clock)
