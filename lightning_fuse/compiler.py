@@ -235,7 +235,7 @@ class CompiledRegion:
         module = self.region.module
         before = self.tracker.total_compiles
         try:
-            with self.tracker.calling(self.name, mode, self._settings), self._stance():
+            with self._tracked(mode), self._stance():
                 out = self._compiled(*args, **kwargs)
         except compat.control_flow_errors():
             raise  # torch's own signal through user code (checkpointing's early stop), not a failure
@@ -247,6 +247,11 @@ class CompiledRegion:
         if self.tracker.total_compiles != before:
             self._check_recompiles()
         return out
+
+    def _tracked(self, mode: ModeKey) -> AbstractContextManager[None]:
+        """The call's compiles, attributed to the region (:class:`CompileTracker`); a call forced eager compiles
+        nothing, and does not make the region's first compile in ``mode`` count as a recompile."""
+        return nullcontext() if forced_eager() else self.tracker.calling(self.name, mode, self._settings)
 
     def _verified_call(self, mode: ModeKey, args: tuple, kwargs: dict) -> Any:
         module = self.region.module

@@ -178,6 +178,20 @@ def test_without_verify_a_wrong_backend_goes_unnoticed():
     tracker.remove()
 
 
+def test_a_call_forced_eager_before_the_first_compile_makes_that_compile_no_recompile(recwarn):
+    """An eager reference step runs the regions under ``force_eager``, which compiles nothing. Where such a call came
+    before a plan's first compiled call, it marked the region's mode as seen, and that first compile counted as a
+    recompile, with a warning that read "a guard failed (dynamo recorded no reason)" (a test of this file did)."""
+    net = Net()
+    runners, tracker = compiled(net, verify=False)
+    with torch.compiler.set_stance("force_eager"):
+        net(torch.randn(4, 8))
+    net(torch.randn(4, 8))
+    assert tracker.stats("blocks.0").compiles == 1 and tracker.stats("blocks.0").recompiles == 0
+    assert not [w for w in recwarn if "recompiled" in str(w.message)]
+    tracker.remove()
+
+
 def test_a_bug_in_user_code_is_raised_not_hidden():
     class Broken(nn.Module):
         def forward(self, x):
