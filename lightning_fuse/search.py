@@ -40,7 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from scipy import stats
@@ -117,8 +117,8 @@ class PlanSearch:
         candidates: The plans, most promising first; the first is the baseline (eager) every other must beat.
         consensus: How several processes agree (one process: trivially).
         clock: Seconds, read after the device finished its work (the caller synchronises on CUDA).
-        reference: ``() -> (loss, grad norm)`` of the last call, compared between eager and each candidate when
-            the network is deterministic; ``None`` skips the check.
+        reference: ``() -> Outcome`` of the last call, compared between eager and each candidate when the network
+            is deterministic; ``None`` skips the check.
 
     Example::
 
@@ -132,13 +132,13 @@ class PlanSearch:
         candidates: Sequence[Plan],
         consensus: Consensus | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        reference: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        reference: Callable[[], Outcome] | None = None,
     ) -> None:
         self.candidates = list(candidates)
         self.consensus = consensus or Consensus()
         self._clock = clock
         self._reference = reference
-        self._eager_reference: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._eager_reference: Outcome | None = None
         self._times: dict[str, list[float]] = {}  # each timed candidate's calls, ms
         self._skipped_for: dict[str, str] = {}  # a candidate left out because this one does its work faster
 
@@ -270,17 +270,19 @@ class PlanSearch:
         return times
 
     def _check(self) -> str | None:
-        """Whether the first call's loss and gradient norm match eager's (the first candidate's)."""
+        """Whether the first call's loss and gradient norm match eager's (the first candidate's), within the
+        tolerance of the lower precision the two calls' math ran in (autocast's, under mixed precision)."""
         if self._reference is None:
             return None
-        loss, norm = self._reference()
+        got = self._reference()
         if self._eager_reference is None:
-            self._eager_reference = (loss, norm)
+            self._eager_reference = got
             return None
-        for what, got, want in zip(("loss", "gradient norm"), (loss, norm), self._eager_reference):
-            rtol, atol = TOLERANCES[effective_dtype(want)]
-            if not torch.allclose(got.float(), want.float(), rtol=4 * rtol, atol=4 * atol):
-                return f"its {what} {got.item():.6g} differs from eager's {want.item():.6g}"
+        want = self._eager_reference
+        rtol, atol = max(TOLERANCES[got.precision], TOLERANCES[want.precision])
+        for what, a, b in (("loss", got.loss, want.loss), ("gradient norm", got.grad_norm, want.grad_norm)):
+            if not torch.allclose(a.float(), b.float(), rtol=4 * rtol, atol=4 * atol):
+                return f"its {what} {a.item():.6g} differs from eager's {b.item():.6g}"
         return None
 
 
@@ -335,6 +337,15 @@ def sandbox(module: nn.Module) -> Iterator[None]:
         snapshot.restore()
 
 
+class Outcome(NamedTuple):
+    """A trial call's loss and the gradient norm it left, and the precision its math ran in (:func:`effective_dtype`
+    inside the call's context: ``torch.bfloat16`` under bf16 autocast, though the loss comes out in float32)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    precision: torch.dtype = torch.float32
+
+
 class TrialCall:
     """One forward and backward of ``module`` on recorded inputs: what :class:`PlanSearch` times.
 
@@ -359,9 +370,11 @@ class TrialCall:
         >>> call = TrialCall(lin, (torch.ones(3, 2),), {})
         >>> with sandbox(lin):
         ...     call()
-        ...     loss, norm = call.last()
-        >>> round(float(loss), 4) == round(float(lin(torch.ones(3, 2)).mean().detach()), 4)
+        ...     outcome = call.last()
+        >>> round(float(outcome.loss), 4) == round(float(lin(torch.ones(3, 2)).mean().detach()), 4)
         True
+        >>> outcome.precision
+        torch.float32
     """
 
     def __init__(
@@ -375,6 +388,7 @@ class TrialCall:
         self._synchronize = synchronize
         self._within = within or (lambda forward: forward())
         self._loss = torch.zeros(())
+        self._precision = torch.float32
 
     def __call__(self) -> None:
         self.forward_backward()
@@ -386,14 +400,16 @@ class TrialCall:
             param.grad = None
         with self._context() if self._context else _nothing():
             loss = self._within(lambda: trial_loss(self.module(*self.args, **self.kwargs)))
+            self._precision = effective_dtype(loss) if loss is not None else torch.float32
         if loss is not None:
             loss.backward()
         self._loss = loss.detach() if loss is not None else torch.zeros(())
 
-    def last(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last call's loss and the gradient norm it left (of this rank's shards, where FSDP2 shards them)."""
+    def last(self) -> Outcome:
+        """The last call's loss, the gradient norm it left (of this rank's shards, where FSDP2 shards them) and the
+        precision its math ran in."""
         grads = [local_shard(p.grad).float().norm() for p in self.module.parameters() if p.grad is not None]
-        return self._loss, torch.stack(grads).norm() if grads else torch.zeros(())
+        return Outcome(self._loss, torch.stack(grads).norm() if grads else torch.zeros(()), self._precision)
 
 
 def through_wrapper(wrapper: nn.Module, inner: nn.Module) -> Callable[[Callable[[], Any]], Any]:
