@@ -191,7 +191,8 @@ class FuseCallback(Callback):
         ddp = isinstance(trainer.strategy.model, DistributedDataParallel)  # DDP's wrapper, not DeepSpeed's or FSDP's
         self.fit = start_fit(self.options, pl_module, world_size=trainer.world_size,
                              precision=trainer.precision_plugin, ddp=ddp)  # fmt: skip
-        self.fit.hooks.cache = start_cache(self.options, self.fit, trainer.strategy.barrier)
+        precision = str(trainer.precision_plugin.precision)
+        self.fit.hooks.cache = start_cache(self.options, self.fit, trainer.strategy.barrier, precision)
         rank_zero_info(plan_line(self.fit, pl_module))
 
     @override

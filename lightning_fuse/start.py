@@ -99,13 +99,19 @@ def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.Light
     return fit
 
 
-def start_cache(options: FuseOptions, fit: FitState, barrier: Callable[[], None]) -> CompileCache | None:
-    """Point torch's compile caches into ``cache_dir`` and load last run's artifacts (``None``: no cache)."""
+def start_cache(options: FuseOptions, fit: FitState, barrier: Callable[[], None], precision: str = "32-true"
+                ) -> CompileCache | None:  # fmt: skip
+    """Point torch's compile caches into ``cache_dir`` and load last run's artifacts (``None``: no cache).
+
+    The directory is one per ``precision`` (the Trainer's, e.g. ``"bf16-mixed"``) as well: a plan's speed depends on
+    it, and torch 2.11's AOTAutograd cache keys whether autocast is on but not its dtype, so a graph traced under bf16
+    autocast is found again under fp16 (pytorch/pytorch#181564): on an H200, DeiT's `16-mixed` fit after a
+    `bf16-mixed` one got bf16 outputs from its compiled network, which the first call's check sent back to eager."""
     if options.cache_dir is False:
         return None
     backend = getattr(options.backend, "__qualname__", options.backend)  # a callable: by name
     what = (options.mode, options.cuda_graph, options.dynamic, backend, options.fullgraph,
-            sorted((options.options or {}).items()))  # fmt: skip
+            sorted((options.options or {}).items()), precision)  # fmt: skip
     modules = [region.module for region in fit.setting.regions] + [fit.setting.target[1]]
     cache = CompileCache(options.cache_dir, [cache_key(modules, fit.setting.device, [repr(what)])])
     cache.activate()

@@ -470,9 +470,10 @@ def test_trials_leave_gradients_buffers_and_rng_as_they_were():
     assert torch.equal(rng, torch.get_rng_state())
 
 
-def fit(callback, epochs=1):
+def fit(callback, epochs=1, precision="32-true"):
     trainer = pl.Trainer(max_epochs=epochs, callbacks=[callback], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, accelerator="cpu", limit_val_batches=0)  # fmt: skip
+                         enable_progress_bar=False, accelerator="cpu", limit_val_batches=0,
+                         precision=precision)  # fmt: skip
     trainer.fit(ToyTask(samples=96))
     return callback
 
@@ -486,6 +487,15 @@ def test_a_fit_chooses_by_measurement_and_a_warm_fit_reuses_the_cached_decision(
     second = fit(FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2))
     assert second.decision.cached and second.decision.winner == first.decision.winner
     assert second.plan.reason == "from the cached decision"
+
+
+def test_a_fit_at_another_precision_starts_from_a_cache_of_its_own(tmp_path):
+    # torch 2.11's AOTAutograd cache keys whether autocast is on, not its dtype: on an H200, DeiT's 16-mixed fit
+    # after a bf16-mixed one took the bf16 fit's cached decision, and its compiled network gave bf16 outputs
+    fit(FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2))
+    other = fit(FuseCallback(backend="eager", cache_dir=tmp_path, eager_steps=2), precision="bf16-mixed")
+    assert not other.decision.cached
+    assert len({path.parent for path in tmp_path.rglob("plan-*.json")}) == 2  # a directory per precision
 
 
 def test_a_dropped_plan_is_not_the_next_runs_cached_decision(tmp_path, monkeypatch):
