@@ -133,7 +133,8 @@ def verdict(fit: FitState, history: list[dict[str, Any]]) -> str:
                         device_type=fit.setting.device.type if fit.setting else "cpu",
                         eager_steps=fit.schedule.eager_steps,
                         reference_steps=len(fit.pool.samples),
-                        reference_cost=fit.reference_cost, steps=fit.steps)  # fmt: skip
+                        reference_cost=fit.reference_cost, steps=fit.steps,
+                        shortfall=fit.plan_shortfall())  # fmt: skip
 
 
 def _measures_only(fit: FitState) -> bool:

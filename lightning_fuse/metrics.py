@@ -225,20 +225,11 @@ def _dropped_line(plan: str, history: Sequence[Row], device_type: str, reason: s
     return f"FuseCallback: no gain on this {device} ({figure}) with {label}; dropped in epoch {epoch}, {rest}; {cost}"
 
 
-def verdict_line(
-    plan: str,
-    history: Sequence[Row],
-    compile_s: float,
-    *,
-    break_even_step: float | None = None,
-    dropped: str | None = None,
-    dropped_in_epoch: int | None = None,
-    device_type: str = "cuda",
-    eager_steps: int | None = None,
-    reference_steps: int | None = None,
-    reference_cost: float | None = None,
-    steps: int | None = None,
-) -> str:
+def verdict_line(plan: str, history: Sequence[Row], compile_s: float, *, break_even_step: float | None = None,
+                 dropped: str | None = None, dropped_in_epoch: int | None = None, device_type: str = "cuda",
+                 eager_steps: int | None = None, reference_steps: int | None = None,
+                 reference_cost: float | None = None, steps: int | None = None,
+                 shortfall: str | None = None) -> str:  # fmt: skip
     """The run in one line: how much faster, with what, and what it cost.
 
     Args:
@@ -257,6 +248,7 @@ def verdict_line(
             line says the reference is thin.
         reference_cost: The reference's share of the fit's training time, named above :data:`REFERENCE_BUDGET`.
         steps: The training steps the fit ran: a ``break_even_step`` past them is said to be still to come.
+        shortfall: What of the plan did not happen (``"its graph not captured"``), said beside its name.
 
     Example::
 
@@ -268,11 +260,14 @@ def verdict_line(
         ('reference thin: 3 eager steps', 'reference cost 4.1% of training time')
         >>> verdict_line("regions", [], compile_s=4.0, eager_steps=0)
         'FuseCallback: ran regions; speedup not measured (eager_steps=0); compile 4.0 s'
+        >>> verdict_line("compile+graph", rows, compile_s=3.4, shortfall="its graph not captured").split(";")[0]
+        'FuseCallback: 2.4x faster (2.3-2.5) with compile+graph (its graph not captured)'
     """
     cost = f"compile {_seconds(compile_s)}"
     if dropped is not None:
         return _dropped_line(plan, history, device_type, dropped, cost, dropped_in_epoch)
     point, low, high = pooled_speedup([row for row in history if row.get(PLAN_KEY, plan) == plan])
+    plan += f" ({shortfall})" if shortfall else ""
     if point is None:
         why = "eager_steps=0" if eager_steps == 0 else "no eager reference step was timed"
         return f"FuseCallback: ran {plan}; speedup not measured ({why}); {cost}"

@@ -9,7 +9,7 @@ from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.decision import Decision
 from lightning_fuse.fit import FitState
 from lightning_fuse.graphs import graph_target
-from lightning_fuse.measurement import epoch_extras
+from lightning_fuse.measurement import epoch_extras, verdict
 from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
 from lightning_fuse.regions import resolve_regions
@@ -89,6 +89,29 @@ def test_the_summary_says_a_graph_that_was_not_captured_was_not_captured():
                    "cannot rebuild)")
     assert "graph: captured" not in ran  # what_ran's words for a graph that was captured
     assert plan.failure.startswith("no graph:")
+    assert fit.plan_shortfall() == "its graph not captured"  # and the verdict says it beside the plan's name
+
+
+def test_the_verdict_says_a_plan_that_ran_eagerly_did_not_run_as_named():
+    # On an H200, a 16-mixed DeiT fit from a bf16 run's cache: its whole-network region fell back (bf16 outputs) and
+    # its graph's capture failed; the verdict said "no clear difference from eager with compile+graph"
+    task = ToyTask()
+    setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(backend="eager"),
+                      torch.device("cuda", 0))  # fmt: skip
+    plan = Regions(setting, graph=True)
+    plan.install()
+    try:
+        fit = FitState(setting=setting, candidates=[plan], plan=plan)
+        assert fit.plan_shortfall() is None
+        for runner in plan.runners:
+            runner.fallback_reason = "its compiled output differs from eager on the first batch"
+        plan.graph.disabled_reason = "the capture failed"
+        assert fit.plan_shortfall() == "its graph not captured, its regions fell back to eager"
+        rows = [{"epoch": 0, "fuse/speedup": 1.02, "fuse/speedup_low": 0.92, "fuse/speedup_high": 1.11}]
+        line = verdict(fit, rows)
+        assert "with regions+graph (its graph not captured, its regions fell back to eager);" in line
+    finally:
+        plan.uninstall()
 
 
 def test_the_summary_says_what_torchs_cudagraph_trees_recorded_in_the_fit(monkeypatch):
