@@ -339,7 +339,8 @@ def sandbox(module: nn.Module) -> Iterator[None]:
 
 class Outcome(NamedTuple):
     """A trial call's loss and the gradient norm it left, and the precision its math ran in (:func:`effective_dtype`
-    inside the call's context: ``torch.bfloat16`` under bf16 autocast, though the loss comes out in float32)."""
+    of its outputs inside the call's context: ``torch.bfloat16`` under bf16 autocast, though the loss comes out in
+    float32, and for a network in bf16)."""
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
@@ -399,11 +400,19 @@ class TrialCall:
         for param in self.module.parameters():
             param.grad = None
         with self._context() if self._context else _nothing():
-            loss = self._within(lambda: trial_loss(self.module(*self.args, **self.kwargs)))
-            self._precision = effective_dtype(loss) if loss is not None else torch.float32
+            loss = self._within(self._forward)
         if loss is not None:
             loss.backward()
         self._loss = loss.detach() if loss is not None else torch.zeros(())
+
+    def _forward(self) -> torch.Tensor | None:
+        """The trial's loss, noting the lowest precision among the outputs it is taken from (in the call's context:
+        autocast's dtype, or a bf16 network's own)."""
+        out = self.module(*self.args, **self.kwargs)
+        leaves = [leaf for leaf in compat.tree_leaves(out) if _differentiable(leaf)]
+        dtypes = [effective_dtype(leaf) for leaf in leaves]
+        self._precision = max(dtypes, key=lambda dtype: TOLERANCES[dtype][0], default=torch.float32)
+        return trial_loss(out)
 
     def last(self) -> Outcome:
         """The last call's loss, the gradient norm it left (of this rank's shards, where FSDP2 shards them) and the

@@ -99,7 +99,7 @@ def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.Light
     return fit
 
 
-def start_cache(options: FuseOptions, fit: FitState, barrier: Callable[[], None], precision: str = "32-true"
+def start_cache(options: FuseOptions, fit: FitState, barrier: Callable[[], None], precision: str
                 ) -> CompileCache | None:  # fmt: skip
     """Point torch's compile caches into ``cache_dir`` and load last run's artifacts (``None``: no cache).
 

@@ -319,6 +319,11 @@ def test_a_trial_call_reports_the_precision_of_the_autocast_it_ran_under():
         assert autocast.last().loss.dtype == torch.float32
         plain()
         assert plain.last().precision == torch.float32
+    half = torch.nn.Linear(4, 3).to(torch.bfloat16)  # Lightning's "bf16-true": no autocast, the network in bf16
+    call = TrialCall(half, (torch.randn(5, 4, dtype=torch.bfloat16),), {})
+    with sandbox(half):
+        call()
+        assert call.last().precision == torch.bfloat16
 
 
 class Drifting(Timed):
