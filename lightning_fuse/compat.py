@@ -234,6 +234,10 @@ def compiled_call_impl(module: nn.Module) -> Callable[..., Any] | None:
 def set_compiled_call_impl(module: nn.Module, fn: Callable[..., Any] | None) -> None:
     """Make ``module(...)`` call ``fn`` (with the call's arguments) instead of its plain code; ``None`` undoes it.
 
+    Undoing leaves the module as it was built, without an attribute of its own (the class's ``None`` shows): torch
+    2.11's dynamo guards a network compiled whole on its blocks' ``__dict__`` not holding one, and a block left with
+    its own ``None`` (a losing candidate's regions, uninstalled) recompiled the whole network (HF BLOOM on an H200).
+
     Raises:
         TorchAPIChanged: If torch no longer routes module calls through ``_compiled_call_impl``.
 
@@ -245,7 +249,10 @@ def set_compiled_call_impl(module: nn.Module, fn: Callable[..., Any] | None) -> 
         1.0
     """
     _check_compiled_call_impl()
-    module._compiled_call_impl = fn
+    if fn is None:
+        vars(module).pop("_compiled_call_impl", None)
+    else:
+        module._compiled_call_impl = fn
 
 
 def call_uncompiled(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
