@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import gc
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -50,6 +51,8 @@ SET_REPLACEMENTS = 4
 """How often the graphs of the set used least recently make way for a new set: the plan search's set (every
 parameter trains outside the training step) for the training steps' sets, an unfreezing schedule's stages. Beyond
 that, a new set runs without a graph rather than capture again and again."""
+SYNC_DEBUG_PROTOTYPE = "Synchronization debug mode is a prototype feature"
+"""The start of torch's warning on turning host-sync checks on, once a process (:func:`set_sync_debug_mode`)."""
 
 
 class Uncapturable(Exception):
@@ -404,10 +407,10 @@ def syncs_between_regions(
 
     def allow(*_: Any) -> None:
         modes.append(torch.cuda.get_sync_debug_mode())
-        torch.cuda.set_sync_debug_mode("default")
+        set_sync_debug_mode("default")
 
     handles = [handle for region in regions for handle in (region.register_forward_pre_hook(allow, prepend=True),
-               region.register_forward_hook(lambda *_: torch.cuda.set_sync_debug_mode(modes.pop())))]  # fmt: skip
+               region.register_forward_hook(lambda *_: set_sync_debug_mode(modes.pop())))]  # fmt: skip
     try:
         return _sync_on_second_call(forward_backward, on_cuda)
     finally:
@@ -495,8 +498,17 @@ def host_syncs_raise(on: bool) -> Iterator[None]:
         yield
         return
     before = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
+    set_sync_debug_mode("error")
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode(before)
+        set_sync_debug_mode(before)
+
+
+def set_sync_debug_mode(mode: int | str) -> None:
+    """:func:`torch.cuda.set_sync_debug_mode`, without torch's warning that the mode "is a prototype feature and
+    does not yet detect all synchronizing operations": FuseCallback's checks turn it on, not the user, and a sync it
+    misses fails the capture that follows instead, which is caught there."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SYNC_DEBUG_PROTOTYPE)
+        torch.cuda.set_sync_debug_mode(mode)

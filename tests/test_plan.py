@@ -5,6 +5,7 @@ eagerly (so kwargs, pytree outputs and the rebuild are exercised), or disturbs t
 """
 
 import copy
+import warnings
 from dataclasses import dataclass, replace
 
 import pytest
@@ -19,6 +20,7 @@ from lightning_fuse.graphs import (
     GraphedModule,
     call_signature,
     graph_target,
+    host_syncs_raise,
 )
 from lightning_fuse.plan import (
     Regions,
@@ -491,6 +493,22 @@ class FakeSyncDebug:
     def sync(self) -> None:
         if self.mode == "error":
             raise RuntimeError("called a synchronizing CUDA operation")
+
+
+def test_turning_host_sync_checks_on_keeps_torchs_prototype_warning_from_the_user(monkeypatch):
+    # every GPU fit's log carried it: "Synchronization debug mode is a prototype feature and does not yet detect all
+    # synchronizing operations", for a check the user never turned on
+    def torch_set(mode):
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+                      "operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:1003.)")  # fmt: skip
+
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", torch_set)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with host_syncs_raise(True):
+            pass
+    assert caught == []
 
 
 class Glue(nn.Module):
