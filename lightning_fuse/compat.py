@@ -60,11 +60,10 @@ class TorchAPIChanged(RuntimeError):
 
     def __init__(self, path: str, why: str, detail: str = "") -> None:
         tested = "" if torch_is_tested() else ", which lightning_fuse was never tested with"
-        super().__init__(
-            f"lightning_fuse needs {path} ({why}), but torch {torch.__version__}{tested} "
-            f"{detail or 'does not have it'}. lightning_fuse is tested with torch{TESTED_TORCH}: install one of "
-            f"those (pip install 'torch{TESTED_TORCH}') or a lightning_fuse release that supports this torch."
-        )
+        super().__init__(f"lightning_fuse needs {path} ({why}), but torch {torch.__version__}{tested} "
+                         f"{detail or 'does not have it'}. lightning_fuse is tested with torch{TESTED_TORCH}: install "
+                         f"one of those (pip install 'torch{TESTED_TORCH}') or a lightning_fuse release that supports "
+                         "this torch.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -103,8 +102,7 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting cudagraph trees' graphs", required=False),
         PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
         PrivateAPI("torch._inductor.config.triton.cudagraph_capture_sizes", "capping graph sizes", required=False),
-        PrivateAPI("torch._dynamo.eval_frame.OptimizedModule", "recognising a network the user compiled before the "
-                   "fit", required=False),
+        PrivateAPI("torch._dynamo.eval_frame.OptimizedModule", "recognising a user-compiled network", required=False),
         PrivateAPI("torch.Tensor._is_view", "releasing a CUDA graph capture's autograd graph"),
         PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "letting activation checkpointing's early stop "
                    "pass through compiled regions", required=False),
@@ -249,9 +247,8 @@ def set_compiled_call_impl(module: nn.Module, fn: Callable[..., Any] | None) -> 
         1.0
     """
     _check_compiled_call_impl()
-    if fn is None:
-        vars(module).pop("_compiled_call_impl", None)
-    else:
+    vars(module).pop("_compiled_call_impl", None)  # as built: the class's None shows
+    if fn is not None:
         module._compiled_call_impl = fn
 
 

@@ -374,8 +374,6 @@ class TrialCall:
         ...     outcome = call.last()
         >>> round(float(outcome.loss), 4) == round(float(lin(torch.ones(3, 2)).mean().detach()), 4)
         True
-        >>> outcome.precision
-        torch.float32
     """
 
     def __init__(

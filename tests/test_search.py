@@ -309,7 +309,8 @@ def test_a_gradient_norm_is_judged_at_the_precision_the_calls_math_ran_in(precis
     assert decision.winner == winner
 
 
-def test_a_trial_call_reports_the_precision_of_the_autocast_it_ran_under():
+def test_a_trial_call_reports_the_precision_of_the_autocast_it_ran_under(monkeypatch):
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")  # else float32 reads as TF32's
     net = torch.nn.Linear(4, 3)
     autocast = TrialCall(net, (torch.randn(5, 4),), {}, context=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     plain = TrialCall(net, (torch.randn(5, 4),), {})
