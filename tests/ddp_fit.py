@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger  # noqa: E402
 from lightning_fuse import FuseCallback  # noqa: E402
 from lightning_fuse.plan import Regions  # noqa: E402
 from tests.faults import FuseProbe  # noqa: E402
-from tests.toy import RecordingTask, param_sum, trainer  # noqa: E402
+from tests.toy import RecordingTask, end_ranks, param_sum, trainer  # noqa: E402
 
 if __name__ == "__main__":
     out, cache_dir = Path(sys.argv[1]), Path(sys.argv[2])
@@ -49,3 +49,4 @@ if __name__ == "__main__":
         "uncompiled_after": all(m._compiled_call_impl is None for m in task.modules()),
         "param_sum": param_sum(task),
     }))  # fmt: skip
+    end_ranks()

@@ -18,7 +18,7 @@ import torch
 
 from lightning_fuse.graphs import GraphedModule
 from tests.faults import grad_buffer_capture
-from tests.toy import RecordingTask, max_param_diff, param_sum, trainer
+from tests.toy import RecordingTask, end_ranks, max_param_diff, param_sum, trainer
 
 
 class FakedGraph(pl.Callback):
@@ -56,3 +56,4 @@ if __name__ == "__main__":
         "param_sum": param_sum(graphed),
         "max_diff_from_eager": max_param_diff(graphed, eager),
     }))  # fmt: skip
+    end_ranks()

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_fuse import FuseCallback
 from tests.faults import FakeOptimizerCapture, FakeTimer
-from tests.toy import RecordingTask, max_param_diff, param_sum, trainer
+from tests.toy import RecordingTask, end_ranks, max_param_diff, param_sum, trainer
 
 
 class FusedAdamWTask(RecordingTask):
@@ -63,3 +63,4 @@ if __name__ == "__main__":
         "eager_losses": eager.losses,
         "max_diff_from_eager": max_param_diff(task, eager),
     }))  # fmt: skip
+    end_ranks()
