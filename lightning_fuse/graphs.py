@@ -52,7 +52,7 @@ SET_REPLACEMENTS = 4
 parameter trains outside the training step) for the training steps' sets, an unfreezing schedule's stages. Beyond
 that, a new set runs without a graph rather than capture again and again."""
 SYNC_DEBUG_PROTOTYPE = "Synchronization debug mode is a prototype feature"
-"""The start of torch's warning on turning host-sync checks on, once a process (:func:`set_sync_debug_mode`)."""
+"""The start of torch's warning on turning host-sync checks on, once a process (:func:`_set_sync_debug_mode`)."""
 
 
 class Uncapturable(Exception):
@@ -407,10 +407,10 @@ def syncs_between_regions(
 
     def allow(*_: Any) -> None:
         modes.append(torch.cuda.get_sync_debug_mode())
-        set_sync_debug_mode("default")
+        _set_sync_debug_mode("default")
 
     handles = [handle for region in regions for handle in (region.register_forward_pre_hook(allow, prepend=True),
-               region.register_forward_hook(lambda *_: set_sync_debug_mode(modes.pop())))]  # fmt: skip
+               region.register_forward_hook(lambda *_: _set_sync_debug_mode(modes.pop())))]  # fmt: skip
     try:
         return _sync_on_second_call(forward_backward, on_cuda)
     finally:
@@ -498,14 +498,14 @@ def host_syncs_raise(on: bool) -> Iterator[None]:
         yield
         return
     before = torch.cuda.get_sync_debug_mode()
-    set_sync_debug_mode("error")
+    _set_sync_debug_mode("error")
     try:
         yield
     finally:
-        set_sync_debug_mode(before)
+        _set_sync_debug_mode(before)
 
 
-def set_sync_debug_mode(mode: int | str) -> None:
+def _set_sync_debug_mode(mode: int | str) -> None:
     """:func:`torch.cuda.set_sync_debug_mode`, without torch's warning that the mode "is a prototype feature and
     does not yet detect all synchronizing operations": FuseCallback's checks turn it on, not the user, and a sync it
     misses fails the capture that follows instead, which is caught there."""
