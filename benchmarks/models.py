@@ -269,6 +269,25 @@ def vit(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     return net, hf_loss, image_batches(batch, net.config.image_size, net.config.num_labels, as_dict=True)
 
 
+def deit(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """DeiT-base: on an H200 (2026-11-29) its compiled blocks compiled again inside a CUDA graph's capture, so
+    ``regions+graph`` fails and the network compiled whole carries the graph."""
+    tiny = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+                patch_size=8, num_labels=10)  # fmt: skip
+    net = _hf("DeiTConfig", "DeiTForImageClassification", dict(num_labels=1000), tiny, smoke)
+    return net, hf_loss, image_batches(batch, net.config.image_size, net.config.num_labels, as_dict=True)
+
+
+def bloom(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """A BLOOM causal LM (ALiBi positions), 12 layers of 768: on an H200 (2026-11-29, at 6 layers of 512) its network
+    synced with the host even compiled, so no CUDA graph of FuseCallback's own held it and torch's cudagraph trees
+    (``reduce-overhead``) won."""
+    full = dict(hidden_size=768, n_layer=12, n_head=12, vocab_size=32000)
+    tiny = dict(hidden_size=32, n_layer=2, n_head=2, **TINY_TEXT)
+    net = _hf("BloomConfig", "BloomForCausalLM", full, tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
 def speech_batches(batch: int, samples: int, vocab: int, label_len: int) -> list[dict]:
     """CTC batches: raw audio (``samples`` a row) and transcripts of ``label_len`` tokens, none the blank (0)."""
     return [{"input_values": torch.randn(batch, samples), "labels": torch.randint(1, vocab, (batch, label_len))}
@@ -312,6 +331,8 @@ MODELS: dict[str, tuple[str, Callable, int, int]] = {
     "deberta": ("transformers", deberta, 16, 64),
     "t5": ("transformers", t5, 16, 64),
     "vit": ("transformers", vit, 32, 128),
+    "deit": ("transformers", deit, 32, 128),
+    "bloom": ("transformers", bloom, 8, 32),
     "wav2vec2": ("transformers", wav2vec2, 8, 32),
     "resnet50": ("torchvision", partial(torchvision_model, "resnet50"), 32, 128),
     "mobilenet_v3_small": ("torchvision", partial(torchvision_model, "mobilenet_v3_small"), 64, 256),
