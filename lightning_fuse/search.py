@@ -406,11 +406,10 @@ class TrialCall:
     def _forward(self) -> torch.Tensor | None:
         """The trial's loss, noting the lowest precision among the outputs it is taken from (in the call's context:
         autocast's dtype, or a bf16 network's own)."""
-        out = self.module(*self.args, **self.kwargs)
-        leaves = [leaf for leaf in compat.tree_leaves(out) if _differentiable(leaf)]
+        leaves = differentiable_leaves(self.module(*self.args, **self.kwargs))
         dtypes = [effective_dtype(leaf) for leaf in leaves]
         self._precision = max(dtypes, key=lambda dtype: TOLERANCES[dtype][0], default=torch.float32)
-        return trial_loss(out)
+        return trial_loss(leaves)
 
     def last(self) -> Outcome:
         """The last call's loss, the gradient norm it left (of this rank's shards, where FSDP2 shards them) and the
@@ -455,18 +454,23 @@ def through_wrapper(wrapper: nn.Module, inner: nn.Module) -> Callable[[Callable[
     return run
 
 
-def trial_loss(out: Any) -> torch.Tensor | None:
-    """The scalar a trial backpropagates from ``out`` (``None`` when nothing in it needs gradients).
+def differentiable_leaves(out: Any) -> list[torch.Tensor]:
+    """The floating tensors in an output (a ``ModelOutput``, a tuple...) that need gradients."""
+    return [leaf for leaf in compat.tree_leaves(out)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()]  # fmt: skip
+
+
+def trial_loss(leaves: list[torch.Tensor]) -> torch.Tensor | None:
+    """The scalar a trial backpropagates from an output's :func:`differentiable_leaves` (``None``: there are none).
 
     Example::
 
         >>> w = torch.ones(2, requires_grad=True)
-        >>> float(trial_loss({"loss": w.sum(), "logits": w * 3}).detach())  # the model's own loss alone
+        >>> float(trial_loss(differentiable_leaves({"loss": w.sum(), "logits": w * 3})).detach())  # its own loss
         2.0
-        >>> float(trial_loss((w * 3, None)).detach())
+        >>> float(trial_loss(differentiable_leaves((w * 3, None))).detach())
         3.0
     """
-    leaves = [leaf for leaf in compat.tree_leaves(out) if _differentiable(leaf)]
     scalars = [leaf for leaf in leaves if leaf.dim() == 0]
     if scalars:
         return sum(leaf.float() for leaf in scalars)
@@ -479,10 +483,6 @@ def detached(tree: Any) -> Any:
         lambda leaf: leaf.detach().requires_grad_(leaf.requires_grad) if isinstance(leaf, torch.Tensor) else leaf,
         tree,
     )
-
-
-def _differentiable(leaf: Any) -> bool:
-    return isinstance(leaf, torch.Tensor) and leaf.requires_grad and leaf.is_floating_point()
 
 
 @contextmanager
