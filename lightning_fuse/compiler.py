@@ -128,6 +128,18 @@ class CompileOptions:
         kwargs.update(overrides)
         return kwargs
 
+    @property
+    def records_graphs(self) -> bool:
+        """Whether the compiled code records CUDA graphs itself (torch's cudagraph trees: ``reduce-overhead``).
+
+        Example::
+
+            >>> CompileOptions(mode="reduce-overhead").records_graphs, CompileOptions().records_graphs
+            (True, False)
+        """
+        implied = compat.mode_options(self.mode) if self.mode not in (None, "default") else None
+        return bool({**(implied or {}), **(self.options or {})}.get("triton.cudagraphs"))
+
     def _mode_or_options(self) -> dict[str, Any]:
         if not self.options:
             return {"mode": self.mode}
@@ -192,6 +204,7 @@ class CompiledRegion:
         self._compiled = torch.compile(compat.plain_call(region.module), **options.kwargs())
         self._settings = repr(options.kwargs())  # another plan's settings compile anew: a compile, not a recompile
         self._verified: set[ModeKey] = set()
+        self._capture_undone = replay.capture_failure_undone if options.records_graphs else nullcontext
         self._warned_recompile = False
         self._made_dynamic = False
         self._recompiles_allowed = policy.recompile_limit
@@ -235,12 +248,11 @@ class CompiledRegion:
         module = self.region.module
         before = self.tracker.total_compiles
         try:
-            with self._tracked(mode), self._stance():
+            with self._capture_undone(), self._tracked(mode), self._stance():  # a tree's capture may fail
                 out = self._compiled(*args, **kwargs)
         except compat.control_flow_errors():
             raise  # torch's own signal through user code (checkpointing's early stop), not a failure
         except Exception as err:  # noqa: BLE001 - any compiler failure; a user bug re-raises from eager below
-            replay.release_generators()  # a capture of torch's that failed would fail the eager call's dropout
             out = compat.call_uncompiled(module, *args, **kwargs)  # raises here if the code itself is wrong
             self.fall_back(describe_error(err))
             return out

@@ -77,7 +77,7 @@ Capture = Callable[[Callable[[], None]], Callable[[], None]]
 def cuda_capture(update: Callable[[], None]) -> Callable[[], None]:
     """Record ``update()`` into a CUDA graph (its kernels do not run) and return the graph's replay."""
     graph = torch.cuda.CUDAGraph()
-    with replay.generators_released_on_failure(), torch.cuda.graph(graph):
+    with replay.capture_failure_undone(), torch.cuda.graph(graph):
         update()
     return graph.replay
 

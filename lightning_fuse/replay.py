@@ -13,8 +13,9 @@ Nothing else may watch the gradients arrive for that: :func:`capture` writes the
 captures with ``make_graphed_callables``. Either way the capture's matrix products get cuBLAS workspaces in the
 graph's own memory (:func:`own_cublas_workspaces`): a workspace allocated before the capture is freed under the graph
 when torch's cudagraph trees record (a ``reduce-overhead`` trial), and the graph's next replay faults. What a capture
-leaves behind is cleared here too: the autograd graph its outputs keep alive (:func:`release_capture_graph`), and a
-CUDA generator that still counts a failed capture as under way (:func:`release_generators`).
+leaves behind is cleared here too: the autograd graph its outputs keep alive (:func:`release_capture_graph`), and,
+after a failed capture, its stream left current and a CUDA generator that still counts it as under way
+(:func:`capture_failure_undone`).
 
 Example::
 
@@ -56,7 +57,7 @@ def capture(module: nn.Module, sample_args: tuple[torch.Tensor, ...], num_warmup
     """
     params = [p for p in module.parameters() if p.requires_grad]
     if not writes_gradients_itself(params):
-        with own_cublas_workspaces(), generators_released_on_failure():
+        with own_cublas_workspaces(), capture_failure_undone():
             return torch.cuda.make_graphed_callables(module, sample_args, num_warmup_iters=num_warmup_iters)
     if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
         raise RuntimeError("a CUDA graph cannot be captured under autocast with cache_enabled=True")
@@ -69,7 +70,7 @@ def capture(module: nn.Module, sample_args: tuple[torch.Tensor, ...], num_warmup
             _gradients(outputs, surface, [torch.empty_like(o) if o.requires_grad else None for o in outputs])
     torch.cuda.synchronize()
     forward, backward, pool = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle()
-    with own_cublas_workspaces(), generators_released_on_failure():  # own: not the workspace of the warmup
+    with own_cublas_workspaces(), capture_failure_undone():  # own: not the workspace of the warmup
         with torch.cuda.graph(forward, stream=stream, pool=pool):
             outputs = module(*sample_args)
         grad_outputs = [torch.empty_like(o) if o.requires_grad else None for o in outputs]
@@ -127,18 +128,28 @@ def _filled(cell: Any) -> bool:
 
 
 @contextmanager
-def generators_released_on_failure() -> Iterator[None]:
-    """If the block (a CUDA graph capture) raises, :func:`release_generators` before the error goes on.
+def capture_failure_undone() -> Iterator[None]:
+    """If the block (a CUDA graph capture) raises, undo what the failed capture left behind before the error goes on:
+    the current stream, and torch's CUDA generators (:func:`release_generators`).
+
+    ``torch.cuda.graph`` sets its capture stream current and, on exit, calls ``capture_end`` before it sets the
+    stream before it back; when ``capture_end`` raises ("operation failed due to a previous error during capture"),
+    the capture stream stays current for the rest of the process. Every later step then runs on that side stream,
+    unordered with anything on the stream the training loop began on: on an H200, DeiT's steps after its failed
+    ``regions+graph`` trial read 4.0 ms on events of that stream against 15.8 ms of work (``benchmarks/RESULTS.md``).
 
     Example::
 
-        >>> with generators_released_on_failure():
+        >>> with capture_failure_undone():
         ...     pass
     """
+    stream = torch.cuda.current_stream() if torch.cuda.is_initialized() else None
     try:
         yield
     except BaseException:
         release_generators()
+        if stream is not None:
+            torch.cuda.set_stream(stream)  # after the generators: their release is a capture too
         raise
 
 

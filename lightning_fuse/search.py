@@ -46,7 +46,7 @@ import torch
 from scipy import stats
 from torch import nn
 
-from lightning_fuse import compat
+from lightning_fuse import compat, replay
 from lightning_fuse.compiler import TOLERANCES, describe_error, effective_dtype
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
@@ -246,14 +246,15 @@ class PlanSearch:
         plan.install()
         failure, times = None, None
         try:
-            plan.step_begin()
-            call()
-            failure = plan.failure or self._check()
-            for _ in range(WARM_CALLS - 1):
+            with replay.capture_failure_undone():  # one a plan's backward records, say, with torch's cudagraph trees
                 plan.step_begin()
                 call()
-            times = None if failure else self._time(plan, call)
-            failure = failure or plan.failure
+                failure = plan.failure or self._check()
+                for _ in range(WARM_CALLS - 1):
+                    plan.step_begin()
+                    call()
+                times = None if failure else self._time(plan, call)
+                failure = failure or plan.failure
         except Exception as err:  # noqa: BLE001 - a candidate that raises costs only itself
             failure = describe_error(err)
         finally:

@@ -1,3 +1,5 @@
+from contextlib import contextmanager
+
 import pytest
 import torch
 from torch import nn
@@ -39,10 +41,10 @@ def flipping_backend(elements):
     return backend
 
 
-def compiled(net, backend="eager", **policy):
+def compiled(net, backend="eager", mode=None, **policy):
     tracker = CompileTracker()
     tracker.install()
-    runners = [CompiledRegion(region, CompileOptions(backend=backend), tracker, RegionPolicy(**policy))
+    runners = [CompiledRegion(region, CompileOptions(mode=mode, backend=backend), tracker, RegionPolicy(**policy))
                for region in resolve_regions(net, "auto")]  # fmt: skip
     for runner in runners:
         runner.install()
@@ -114,17 +116,32 @@ def test_a_region_whose_compiled_code_fails_falls_back_to_eager_with_one_warning
     tracker.remove()
 
 
-def test_a_region_that_fails_releases_the_cuda_generators_before_it_runs_eagerly(monkeypatch):
-    """torch's cudagraph trees may fail a capture inside the compiled call; the eager rerun's dropout would then
-    raise (replay.release_generators)."""
+@pytest.mark.parametrize("mode", ["reduce-overhead", None])
+def test_a_region_under_torchs_graphs_that_fails_undoes_the_capture_before_it_runs_eagerly(monkeypatch, mode):
+    """torch's cudagraph trees (``reduce-overhead``) may fail a capture inside the compiled call, leaving its side
+    stream current and the CUDA generators counting it as under way: the eager rerun's dropout would raise
+    (replay.capture_failure_undone). A region compiled without the trees captures nothing, so its calls do not pay
+    for looking the stream up."""
     order = []
-    monkeypatch.setattr(replay, "release_generators", lambda: order.append("released"))
+
+    @contextmanager
+    def undone():
+        try:
+            yield
+        except Exception:
+            order.append("undone")
+            raise
+
+    monkeypatch.setattr(replay, "capture_failure_undone", undone)
     net = Net()
     net.blocks[0].register_forward_pre_hook(lambda *_: order.append("call"))  # the compiled call's, then eager's
-    runners, tracker = compiled(net, backend=failing_backend)
+    runners, tracker = compiled(net, backend=failing_backend, mode=mode)
     with pytest.warns(UserWarning, match="falls back to eager"):
         net(torch.randn(4, 8))
-    assert order[:3] == ["call", "released", "call"] and order.count("released") == len(runners)
+    if mode:
+        assert order[:3] == ["call", "undone", "call"] and order.count("undone") == len(runners)
+    else:
+        assert order[:2] == ["call", "call"] and "undone" not in order
     tracker.remove()
 
 

@@ -86,6 +86,28 @@ def test_a_candidate_that_raises_or_is_not_what_it_claims_is_skipped():
     assert outcomes["regions+graph"] == "failed: no graph: its output holds a DynamicCache"
 
 
+def test_a_candidate_that_fails_hands_back_the_stream_its_capture_left_current(monkeypatch):
+    """A capture that fails at its end, say one torch's cudagraph trees record in a candidate's backward, leaves
+    its side stream current (``replay.capture_failure_undone``); the next candidate, and the fit, run on the stream
+    the search began on."""
+    streams = ["the loop's stream"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: streams[-1])
+    monkeypatch.setattr(torch.cuda, "set_stream", streams.append)
+    monkeypatch.setattr("lightning_fuse.replay.release_generators", lambda: None)
+    clock = Clock()
+    plans = [Timed("eager", 10, clock), Timed("reduce-overhead", 1, clock, fails=True), Timed("compile", 8, clock)]
+
+    def call():
+        if clock.cost is None:
+            streams.append("a capture's side stream")
+            raise RuntimeError("operation failed due to a previous error during capture")
+        clock.tick()
+
+    assert PlanSearch(plans, clock=clock).run(call).winner == "compile"
+    assert streams[-1] == "the loop's stream"
+
+
 class RaisesInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
