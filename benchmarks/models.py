@@ -288,6 +288,34 @@ def bloom(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
 
 
+def qwen3(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """A Qwen3 causal LM (RMS norms on queries and keys), 12 layers of 768 with its config's defaults otherwise
+    (``use_cache`` on): on an H200 (2026-11-29, at 6 layers of 512) ``compile+graph``."""
+    full = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                num_key_value_heads=4, head_dim=64, vocab_size=32000, max_position_embeddings=1024)  # fmt: skip
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, max_position_embeddings=64, **TINY_TEXT)  # fmt: skip
+    net = _hf("Qwen3Config", "Qwen3ForCausalLM", full, tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
+def modernbert(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """ModernBERT-base classifier on padded batches (local attention in two layers of three, rotary positions):
+    on an H200 (2026-11-29, at 6 layers of 512) ``regions+graph``."""
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, local_attention=8,
+                cls_token_id=2, sep_token_id=3, **TINY_TEXT)  # fmt: skip
+    net = _hf("ModernBertConfig", "ModernBertForSequenceClassification", dict(num_labels=2), tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 256, net.config.vocab_size, classes=2, padded=True)
+
+
+def swin(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """Swin-T (shifted windows, masks built per stage): on an H200 (2026-11-29, smaller) ``regions+graph``."""
+    tiny = dict(image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[1, 2], window_size=4,
+                num_labels=10)  # fmt: skip
+    net = _hf("SwinConfig", "SwinForImageClassification", dict(num_labels=1000), tiny, smoke)
+    return net, hf_loss, image_batches(batch, net.config.image_size, net.config.num_labels, as_dict=True)
+
+
 def speech_batches(batch: int, samples: int, vocab: int, label_len: int) -> list[dict]:
     """CTC batches: raw audio (``samples`` a row) and transcripts of ``label_len`` tokens, none the blank (0)."""
     return [{"input_values": torch.randn(batch, samples), "labels": torch.randint(1, vocab, (batch, label_len))}
@@ -333,6 +361,9 @@ MODELS: dict[str, tuple[str, Callable, int, int]] = {
     "vit": ("transformers", vit, 32, 128),
     "deit": ("transformers", deit, 32, 128),
     "bloom": ("transformers", bloom, 8, 32),
+    "qwen3": ("transformers", qwen3, 8, 32),
+    "modernbert": ("transformers", modernbert, 16, 64),
+    "swin": ("transformers", swin, 32, 128),
     "wav2vec2": ("transformers", wav2vec2, 8, 32),
     "resnet50": ("torchvision", partial(torchvision_model, "resnet50"), 32, 128),
     "mobilenet_v3_small": ("torchvision", partial(torchvision_model, "mobilenet_v3_small"), 64, 256),
