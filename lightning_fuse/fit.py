@@ -122,12 +122,7 @@ class FitState:
     def plan_shortfall(self) -> str | None:
         """What of the plan in force did not happen, for the verdict (:meth:`what_ran` says why): its graph not
         captured, its regions fallen back to eager; ``None`` where it runs as named."""
-        graph = plan_graph(self.plan)
-        runners = self.plan.runners if self.plan is not None else []
-        missing = ["its graph not captured"] if graph is not None and graph.disabled_reason is not None else []
-        if runners and all(runner.fallback_reason for runner in runners):
-            missing.append("its regions fell back to eager")
-        return ", ".join(missing) or None
+        return (", ".join(self.plan.shortfall) or None) if self.plan is not None else None
 
     # ------------------------------------------------------------------ epochs and steps
     def begin_epoch(self, batches: float, device: torch.device) -> None:

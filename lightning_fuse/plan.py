@@ -169,6 +169,12 @@ class Plan:
         return None
 
     @property
+    def shortfall(self) -> list[str]:
+        """What of the plan did not happen, for the verdict (:attr:`failure` says why); empty where it runs as
+        named."""
+        return []
+
+    @property
     def sizes_full(self) -> bool:
         """Whether torch's cudagraph trees under this plan met a size past the most they record in one fit."""
         return False
@@ -273,11 +279,23 @@ class Regions(Plan):
 
     @property
     def failure(self) -> str | None:
-        if self.graph is not None and self.graph.disabled_reason is not None:
+        if self._graph_refused():
             return f"no graph: {self.graph.disabled_reason}"
-        if self._runners and not any(runner.fallback_reason is None for runner in self._runners):
+        if self._regions_fell_back():
             return f"every region fell back: {self._runners[0].fallback_reason}"
         return None
+
+    @property
+    def shortfall(self) -> list[str]:
+        missing = {"its graph not captured": self._graph_refused(),
+                   "its regions fell back to eager": self._regions_fell_back()}  # fmt: skip
+        return [what for what, happened in missing.items() if happened]
+
+    def _graph_refused(self) -> bool:
+        return self.graph is not None and self.graph.disabled_reason is not None
+
+    def _regions_fell_back(self) -> bool:
+        return bool(self._runners) and all(runner.fallback_reason is not None for runner in self._runners)
 
 
 class Graph(Regions):
