@@ -132,11 +132,12 @@ def capture_failure_undone() -> Iterator[None]:
     """If the block (a CUDA graph capture) raises, undo what the failed capture left behind before the error goes on:
     the current stream, and torch's CUDA generators (:func:`release_generators`).
 
-    ``torch.cuda.graph`` sets its capture stream current and, on exit, calls ``capture_end`` before it sets the
-    stream before it back; when ``capture_end`` raises ("operation failed due to a previous error during capture"),
-    the capture stream stays current for the rest of the process. Every later step then runs on that side stream,
-    unordered with anything on the stream the training loop began on: on an H200, DeiT's steps after its failed
-    ``regions+graph`` trial read 4.0 ms on events of that stream against 15.8 ms of work (``benchmarks/RESULTS.md``).
+    ``torch.cuda.graph`` makes its capture stream current and, on exit, calls ``capture_end`` before it makes the
+    previous stream current again; when ``capture_end`` raises ("operation failed due to a previous error during
+    capture"), the capture stream stays current for the rest of the process. Every later step then runs on that side
+    stream, unordered with anything on the stream the training loop began on: on an H200, DeiT's steps after its
+    failed ``regions+graph`` trial read 4.0 ms on events of that stream against 15.8 ms of work
+    (``benchmarks/RESULTS.md``).
 
     Example::
 

@@ -246,7 +246,7 @@ class PlanSearch:
         plan.install()
         failure, times = None, None
         try:
-            with replay.capture_failure_undone():  # one a plan's backward records, say, with torch's cudagraph trees
+            with replay.capture_failure_undone():  # a capture failed in the backward, say (torch's cudagraph trees)
                 plan.step_begin()
                 call()
                 failure = plan.failure or self._check()
