@@ -20,7 +20,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +30,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_fuse import compat, replay, sharding
-from lightning_fuse.options import RECOMPILE_LIMIT
+from lightning_fuse.options import GRAPHING_MODES, RECOMPILE_LIMIT
 from lightning_fuse.randomness import RandomDraws, call_device
 from lightning_fuse.regions import Region
 from lightning_fuse.shapes import CompileTracker, ModeKey, mark_region_inputs, warn_recompile
@@ -128,18 +128,6 @@ class CompileOptions:
         kwargs.update(overrides)
         return kwargs
 
-    @property
-    def records_graphs(self) -> bool:
-        """Whether the compiled code records CUDA graphs itself (torch's cudagraph trees: ``reduce-overhead``).
-
-        Example::
-
-            >>> CompileOptions(mode="reduce-overhead").records_graphs, CompileOptions().records_graphs
-            (True, False)
-        """
-        implied = compat.mode_options(self.mode) if self.mode not in (None, "default") else None
-        return bool({**(implied or {}), **(self.options or {})}.get("triton.cudagraphs"))
-
     def _mode_or_options(self) -> dict[str, Any]:
         if not self.options:
             return {"mode": self.mode}
@@ -204,7 +192,7 @@ class CompiledRegion:
         self._compiled = torch.compile(compat.plain_call(region.module), **options.kwargs())
         self._settings = repr(options.kwargs())  # another plan's settings compile anew: a compile, not a recompile
         self._verified: set[ModeKey] = set()
-        self._capture_undone = replay.capture_failure_undone if options.records_graphs else nullcontext
+        self._capture_undone = replay.capture_failure_undone if options.mode in GRAPHING_MODES else nullcontext
         self._warned_recompile = False
         self._made_dynamic = False
         self._recompiles_allowed = policy.recompile_limit
@@ -436,10 +424,21 @@ def effective_dtype(tensor: torch.Tensor) -> torch.dtype:
         return torch.float32
     device = tensor.device.type
     if torch.is_autocast_enabled(device):
-        return max(tensor.dtype, torch.get_autocast_dtype(device), key=lambda d: TOLERANCES[d][0])
+        return lowest_precision([tensor.dtype, torch.get_autocast_dtype(device)])
     if tensor.dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return torch.float16  # TF32/bf16 matmuls carry about fp16's 10-bit mantissa
     return tensor.dtype
+
+
+def lowest_precision(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The least precise of ``dtypes``, the one with the loosest :data:`TOLERANCES` (float32 where there are none).
+
+    Example::
+
+        >>> lowest_precision([torch.float32, torch.bfloat16]), lowest_precision([])
+        (torch.bfloat16, torch.float32)
+    """
+    return max(dtypes, key=lambda dtype: TOLERANCES[dtype][0], default=torch.float32)
 
 
 def describe_error(err: BaseException) -> str:

@@ -47,7 +47,7 @@ from scipy import stats
 from torch import nn
 
 from lightning_fuse import compat, replay
-from lightning_fuse.compiler import TOLERANCES, describe_error, effective_dtype
+from lightning_fuse.compiler import TOLERANCES, describe_error, effective_dtype, lowest_precision
 from lightning_fuse.decision import Decision, Trial
 from lightning_fuse.plan import Plan
 from lightning_fuse.sharding import local_shard
@@ -280,7 +280,7 @@ class PlanSearch:
             self._eager_reference = got
             return None
         want = self._eager_reference
-        rtol, atol = max(TOLERANCES[got.precision], TOLERANCES[want.precision])
+        rtol, atol = TOLERANCES[lowest_precision([got.precision, want.precision])]
         for what, a, b in (("loss", got.loss, want.loss), ("gradient norm", got.grad_norm, want.grad_norm)):
             if not torch.allclose(a.float(), b.float(), rtol=4 * rtol, atol=4 * atol):
                 return f"its {what} {a.item():.6g} differs from eager's {b.item():.6g}"
@@ -408,8 +408,7 @@ class TrialCall:
         """The trial's loss, noting the lowest precision among the outputs it is taken from (in the call's context:
         autocast's dtype, or a bf16 network's own)."""
         leaves = differentiable_leaves(self.module(*self.args, **self.kwargs))
-        dtypes = [effective_dtype(leaf) for leaf in leaves]
-        self._precision = max(dtypes, key=lambda dtype: TOLERANCES[dtype][0], default=torch.float32)
+        self._precision = lowest_precision(effective_dtype(leaf) for leaf in leaves)
         return trial_loss(leaves)
 
     def last(self) -> Outcome:
