@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_fuse.plan import Plan
+    from lightning_fuse.running_guard import Window
 
 SLOWER_THAN_EAGER = 0.9
 """With mode="auto", a plan whose epoch, or a running guard's window of steps, measures below this speedup is
@@ -285,21 +286,24 @@ class FuseCallback(Callback):
             self.fit.drop_plan(f"it measured {speedup:.2f}x of eager {when}, its interval wholly below "
                                f"{CLEARLY_SLOWER}x (up to {high:.2f}x)", epoch)  # fmt: skip
 
-    def _judge_window(self, trainer: pl.Trainer, plan_ms: list[float] | None) -> None:
-        """The running guard: at each window's end (``plan_ms``, its plan steps), with ``mode="auto"``, a plan under
+    def _judge_window(self, trainer: pl.Trainer, window: Window | None) -> None:
+        """The running guard: at each window's end (``window``, its plan steps), with ``mode="auto"``, a plan under
         torch's CUDA graphs that met more sizes than they record hands over to the same compile without graphs
         (:meth:`~lightning_fuse.fit.FitState.hand_over`), and a plan whose mean step was slower than eager's is
         dropped mid-epoch; rank zero's word decides (one collective per window, on the same step on every rank)."""
-        if plan_ms is None or not self._plan_is_judged():
+        if window is None or not self._plan_is_judged():
             return
-        window = self.fit.pace.window
-        speedup, successor = trainer.strategy.broadcast((self.fit.speedup_over_window(plan_ms),
+        speedup, successor = trainer.strategy.broadcast((self.fit.speedup_over_window(window),
                                                          self.fit.graphless_successor()))  # fmt: skip
         if successor is not None:  # the window measured the plan handed over from
             self.fit.hand_over(successor, store=trainer.is_global_zero)
             return
-        where = f"over its last {window} steps in epoch {trainer.current_epoch}"
-        how = "(mean step, compiling steps and the slowest tenth left out)"
+        where = f"over its last {self.fit.pace.window} steps in epoch {trainer.current_epoch}"
+        eager_ms = self.fit.eager_step_ms()
+        compiles_counted = eager_ms is not None and len(window.judged(eager_ms)) > len(window.steady)
+        how = ("(mean step, the slowest tenth left out; its compiling steps counted, as the steps between them ran "
+               "no faster than eager or they were half of it)" if compiles_counted
+               else "(mean step, compiling steps and the slowest tenth left out)")
         self._drop_plan_below_margin(speedup, f"{where} {how}", trainer.current_epoch)
 
     def _plan_is_judged(self) -> bool:

@@ -29,7 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.meters import GpuMeters, cudagraph_trees
 from lightning_fuse.plan import WITHOUT_GRAPHS, Plan, Setting, plan_graph
-from lightning_fuse.running_guard import BEFORE, EXCUSED_RECORDINGS, PLAN, RunningGuard, window_speedup
+from lightning_fuse.running_guard import BEFORE, EXCUSED_RECORDINGS, PLAN, RunningGuard, Window, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims)
 from lightning_fuse.timing import (COMPILED, EAGER, LEAD_IN, SKIPPED, UNKNOWN_EPOCH_STEPS, EagerSchedule,
@@ -199,7 +199,7 @@ class FitState:
         self.gpu.profile = profile
         return timed and size == self.nominal_batch and profile is None, profile is not None
 
-    def end_step(self) -> list[float] | None:
+    def end_step(self) -> Window | None:
         """Close the step :meth:`begin_step` opened: its time recorded (a step that compiled, captured a graph of
         ours or recorded one of torch's cudagraph trees is kept out, recording ones up to
         :data:`~lightning_fuse.running_guard.EXCUSED_RECORDINGS` a fit), its contexts left; at the end of a running
@@ -242,10 +242,10 @@ class FitState:
         the forward and backward alone, and beside a step whose optimizer takes long every plan would look slow."""
         return self.pace.eager_ms() or self.pool.median() or self.pace.before_ms()
 
-    def speedup_over_window(self, plan_ms: list[float]) -> float | None:
-        """The running guard's speedup over a window whose plan steps took ``plan_ms`` (``None``: not judged, the
+    def speedup_over_window(self, window: Window) -> float | None:
+        """The running guard's speedup over a closed ``window`` of plan steps (``None``: not judged, the
         window was mostly the eager reference, or eager's step is unknown)."""
-        return window_speedup(plan_ms, self.eager_step_ms(), least=self.pace.window // 2)
+        return window_speedup(window, self.eager_step_ms(), least=self.pace.window // 2)
 
     # ------------------------------------------------------------------ what ran
     def what_ran(self) -> str:

@@ -5,7 +5,10 @@ every new sequence length, say) would otherwise run a whole epoch before the epo
 :class:`RunningGuard` times, on the host clock, each step from its start to its end: the plan's steps, and eager's,
 each run of them (a reference chunk, lead-in included) up to where the device has run it
 (:meth:`RunningGuard.close_run`). A plan step that compiled or captured a graph is a one-time cost, left out of its
-window's times, unless half the window's plan steps did so: a recompile at every new length is the crawl. A step in
+window's times, unless half the window's plan steps did so (a recompile at every new length is the crawl), or the
+window's other plan steps ran no faster than eager: a plan that gains nothing between its compiles never pays them
+back (torchvision's Faster R-CNN, whose detections change their count as it trains, recompiled in most steps while
+its other steps ran at eager's pace: ``benchmarks/RESULTS.md``). A step in
 which torch's cudagraph trees recorded a graph counts as a step of its window, but its time is left out, for the
 fit's first :data:`EXCUSED_RECORDINGS` such steps: the sizes recorded are capped per fit
 (:data:`~lightning_fuse.compiler.TREE_SIZES`), so recording is a one-time cost, and the recordings of a few lengths
@@ -31,8 +34,8 @@ Example::
     ...         guard.close_run()  # the caller waited for the device to run the eager steps
     ...     guard.begin(kind); closed.append(guard.end())
     >>> closed, guard.eager_ms()  # the run: 4 readings apart over 2 steps
-    ([None, None, [125.0], None], 250.0)
-    >>> window_speedup([25.0, 30.0, 35.0], eager_ms=15.0)
+    ([None, None, Window(steady=[125.0], one_time=[]), None], 250.0)
+    >>> window_speedup(Window([25.0, 30.0, 35.0], []), eager_ms=15.0)
     0.5
 """
 
@@ -41,7 +44,8 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import NamedTuple
 
 from lightning_fuse.compiler import TREE_SIZES
 from lightning_fuse.timing import EAGER, LEAD_IN
@@ -71,6 +75,28 @@ EAGER_SAMPLES = 20
 """The most recent eager steps before the plan kept for their median."""
 
 
+class Window(NamedTuple):
+    """A closed window's plan step times (ms): ``steady``, the steps that neither compiled nor captured a graph,
+    and ``one_time``, those that did (:meth:`RunningGuard.end`)."""
+
+    steady: list[float]
+    one_time: list[float]
+
+    def judged(self, eager_ms: float) -> list[float]:
+        """The times judged against eager's step ``eager_ms``: the steady steps', and those that compiled or
+        captured too where they are half the window's plan steps or more (the plan crawls) or where the steady
+        steps ran no faster than eager (the plan never pays them back); else those are a one-time cost, left out.
+
+        Example::
+
+            >>> Window([5.0, 5.0], [900.0]).judged(eager_ms=8.0), Window([5.0, 5.0], [900.0]).judged(eager_ms=4.0)
+            ([5.0, 5.0], [5.0, 5.0, 900.0])
+        """
+        crawls = len(self.one_time) >= len(self.steady)
+        no_gain = bool(self.steady) and _trimmed_mean(self.steady) >= eager_ms
+        return [*self.steady, *self.one_time] if crawls or no_gain else self.steady
+
+
 class RunningGuard:
     """Times the steps after the plan is installed and closes a window every ``window`` of them.
 
@@ -83,7 +109,7 @@ class RunningGuard:
         >>> guard = RunningGuard(window=2)
         >>> guard.begin(None); guard.end() is None
         True
-        >>> guard.begin(PLAN); guard.end() is not None  # the window's plan step times, in ms
+        >>> guard.begin(PLAN); guard.end() is not None  # the window's plan step times, in ms (a Window)
         True
     """
 
@@ -112,12 +138,11 @@ class RunningGuard:
             self._run = (now, 0)
         self._open = (kind, now)
 
-    def end(self, judged: bool = True, one_time: bool = False) -> list[float] | None:
-        """The step ended; at a window's end, that window's plan step times (ms), and the next window begins.
+    def end(self, judged: bool = True, one_time: bool = False) -> Window | None:
+        """The step ended; at a window's end, that window's plan step times, and the next window begins.
         ``judged=False``: the step counts in its window, but its time is left out (it recorded a CUDA graph; a run
-        of eager steps holding one is left out whole). ``one_time``: it compiled or captured a graph; such steps
-        are left out of the window's times while they are fewer than half its plan steps (more: the plan crawls,
-        compiling at every step, and they are its times)."""
+        of eager steps holding one is left out whole). ``one_time``: it compiled or captured a graph, and its time
+        is kept apart (:func:`window_speedup` says when it counts)."""
         if self._open is None:
             return None
         kind, start = self._open
@@ -133,8 +158,8 @@ class RunningGuard:
         self._steps += 1
         if self._steps % self.window:
             return None
-        steady, one_time_ms, self._plan_ms, self._one_time_ms = self._plan_ms, self._one_time_ms, [], []
-        return steady if len(one_time_ms) < len(steady) else steady + one_time_ms
+        window, self._plan_ms, self._one_time_ms = Window(self._plan_ms, self._one_time_ms), [], []
+        return window
 
     def close_run(self) -> None:
         """End the open run of eager steps where the device has run them all (call it after waiting for the
@@ -159,22 +184,33 @@ class RunningGuard:
         return statistics.median(later) if later else None
 
 
-def window_speedup(plan_ms: Sequence[float], eager_ms: float | None, least: int = 1) -> float | None:
+def window_speedup(window: Window, eager_ms: float | None, least: int = 1) -> float | None:
     """Eager's step time (a mean over its runs) over the window's mean plan step, its slowest
     :data:`TRIMMED_SHARE` left out; ``None`` without eager's time or with fewer than ``least`` plan steps to judge
-    (a window that was mostly the eager reference).
+    (a window that was mostly the eager reference). Which steps are judged: :meth:`Window.judged`.
 
     Example::
 
         >>> fast = [10.0] * 9
-        >>> window_speedup([*fast, 4000.0], eager_ms=12.0)  # one compile in ten steps: left out
+        >>> window_speedup(Window([*fast, 4000.0], []), eager_ms=12.0)  # a pause in ten steps: left out
         1.2
-        >>> round(window_speedup([*fast[:7], 100.0, 100.0, 100.0], eager_ms=12.0), 2)  # three in ten recording
-        0.4
-        >>> window_speedup([10.0], eager_ms=12.0, least=2) is None
+        >>> window_speedup(Window(fast, [4000.0]), eager_ms=12.0)  # a compile, paid back by faster steps
+        1.2
+        >>> round(window_speedup(Window(fast[:7], [100.0] * 3), eager_ms=9.0), 2)  # one that never pays back
+        0.3
+        >>> round(window_speedup(Window(fast[:5], [100.0] * 5), eager_ms=12.0), 2)  # half the window compiled
+        0.24
+        >>> window_speedup(Window([10.0], []), eager_ms=12.0, least=2) is None
         True
     """
-    if not eager_ms or len(plan_ms) < max(1, least):
+    if not eager_ms:
         return None
-    kept = sorted(plan_ms)[: len(plan_ms) - int(len(plan_ms) * TRIMMED_SHARE)]
-    return eager_ms / statistics.fmean(kept)
+    times = window.judged(eager_ms)
+    if len(times) < max(1, least):
+        return None
+    return eager_ms / _trimmed_mean(times)
+
+
+def _trimmed_mean(times: list[float]) -> float:
+    """The mean of ``times``, the slowest :data:`TRIMMED_SHARE` left out."""
+    return statistics.fmean(sorted(times)[: len(times) - int(len(times) * TRIMMED_SHARE)])
