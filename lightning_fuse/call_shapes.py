@@ -171,10 +171,11 @@ class NoCudnnAttention:
         self.applies = self._user_setting
         if self.applies:
             rank_zero_info(
-                "FuseCallback: lengths vary from step to step, and cuDNN attention (torch's first choice for fp16/bf16 "
-                "attention on recent GPUs) builds a plan for each new length: the steps FuseCallback runs, its eager "
-                "reference steps too, use flash or memory-efficient attention instead, so fuse/speedup is against "
-                "eager without cuDNN attention. Pad the lengths to a few sizes (pad_buckets) to keep cuDNN attention."
+                "FuseCallback: lengths vary from step to step. Where the network calls scaled_dot_product_attention, "
+                "cuDNN attention (torch's first choice for fp16/bf16 attention on recent GPUs) would build a plan for "
+                "each new length: the steps FuseCallback runs, its eager reference steps too, use flash or "
+                "memory-efficient attention instead, so fuse/speedup is against eager without cuDNN attention. Pad "
+                "the lengths to a few sizes (pad_buckets) to keep cuDNN attention."
             )
 
     @property

@@ -64,6 +64,11 @@ FAILURE_TRACEBACK = r"Error detected in \w+\. Traceback of forward call"
 """What autograd's anomaly mode prints when a backward raises: the forward's traceback. AOTAutograd traces each
 compile's backward under that mode, so a candidate failing there printed it (HF Mixtral's search on an H200: four,
 some 40 lines each) for a failure its trial line names: :meth:`PlanSearch._trial` leaves it out."""
+GRAPH_REFUSED = r"FuseCallback: no CUDA graph over "
+"""The warning a graph of FuseCallback's own gives where its capture fails, "It runs without one"
+(:meth:`~lightning_fuse.graphs.GraphedModule.disable`). In a trial the trial's line names the failure and the
+candidate runs no further: an LSTM language model's search on an H200 printed it for two candidates it then left
+out, and the fit ran eagerly. :meth:`PlanSearch._trial` leaves it out."""
 DRIFT_LIMIT = 1.10
 """Where the baseline's second timing lies further than this factor from its first (either way), the candidates are
 timed again side by side with it. Within one timing the calls spread by 1-7% on the GPUs; on 2x H200 the baseline's
@@ -231,7 +236,8 @@ class PlanSearch:
 
     def _trial(self, plan: Plan, call: Callable[[], None]) -> Trial:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=FAILURE_TRACEBACK)  # the trial's line names the failure
+            for named_in_the_trials_line in (FAILURE_TRACEBACK, GRAPH_REFUSED):
+                warnings.filterwarnings("ignore", message=named_in_the_trials_line)
             failure, times = _unfit(plan, call), None
             if failure is None:
                 failure, times = self._measure(plan, call)

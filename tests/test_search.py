@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_fuse import FuseCallback, measurement
 from lightning_fuse.compiler import CompileOptions
@@ -192,6 +193,24 @@ def test_a_candidate_dominated_by_a_faster_one_is_not_compiled():
     decision = run(plans, clock)
     assert decision.trials[2].outcome.startswith("skipped: regions+graph does what it does")
     assert decision.trials[2].ms is None and decision.winner == "regions+graph"
+
+
+def test_a_candidate_whose_graph_is_refused_leaves_its_line_to_the_trial(recwarn):
+    """A graph of FuseCallback's own whose capture fails warns "It runs without one"; in a trial the candidate runs
+    no further and its line names the failure (an LSTM's search on an H200 printed the warning for two candidates
+    and then kept eager)."""
+    clock = Clock()
+    graphed = Timed("regions+graph", 1, clock, fails=True)
+
+    def call():
+        if graphed.installed:
+            rank_zero_warn("FuseCallback: no CUDA graph over 'model': the capture failed (AcceleratorError). "
+                           "It runs without one.")
+        clock.tick()
+
+    decision = PlanSearch([Timed("eager", 10, clock), graphed], clock=clock).run(call)
+    assert decision.trials[1].outcome.startswith("failed") and decision.winner == "eager"
+    assert not [w for w in recwarn if "no CUDA graph over" in str(w.message)]
 
 
 @pytest.mark.parametrize("graph_fails", [False, True])
