@@ -34,7 +34,7 @@ import importlib
 from collections import Counter, defaultdict
 from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
-from types import CodeType
+from types import CodeType, MethodType
 from typing import Any
 
 import torch
@@ -794,8 +794,10 @@ def _pytree(name: str) -> Callable[..., Any]:
 
 
 def replace_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[..., Any]) -> Callable[..., Any]:
-    """Make ``step`` the optimizer's ``step`` (on the instance) and return the one it replaces, which
-    :func:`restore_method` puts back. An LR scheduler's mark on the replaced one is kept.
+    """Make ``step`` the optimizer's ``step`` (on the instance, a method bound to it) and return the one it
+    replaces, which :func:`restore_method` puts back. An LR scheduler's mark on the replaced one is kept; a scheduler
+    made later wraps the replacement as it wraps any bound ``step`` (Lightning's StochasticWeightAveraging makes one
+    mid-fit: a plain function there raised "'function' object has no attribute '__func__'").
 
     Example::
 
@@ -806,12 +808,12 @@ def replace_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[...,
     """
     previous = optimizer.step
 
-    def replacement(*args: Any, **kwargs: Any) -> Any:
+    def replacement(_optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         return step(*args, **kwargs)
 
     if getattr(previous, "_wrapped_by_lr_sched", False):
         replacement._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = replacement  # type: ignore[method-assign]
+    optimizer.step = MethodType(replacement, optimizer)  # type: ignore[method-assign]
     return previous
 
 

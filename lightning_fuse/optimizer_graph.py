@@ -287,7 +287,7 @@ class OptimizerGraph:
                      for group in self.optimizer.param_groups]  # fmt: skip
         self._lr_seen = [float(group["lr"]) for group in self.optimizer.param_groups]
         self._fused = [_fused_in_graph(self.optimizer, group) for group in self.optimizer.param_groups]
-        self._settings = [_settings(group) for group in self.optimizer.param_groups]
+        self._settings = [_settings(group, self.optimizer.defaults) for group in self.optimizer.param_groups]
         self._owner = (self.optimizer.state, self.optimizer.param_groups)
 
     def _capture(self, key: ClipKey | None, clip: Callable[[], None] | None) -> bool:
@@ -349,7 +349,7 @@ class OptimizerGraph:
             self._disable("its state or parameter groups were replaced")
             return False
         for group, settings in zip(groups, self._settings, strict=True):
-            if _settings(group) != settings:
+            if _settings(group, self.optimizer.defaults) != settings:
                 self._disable("a hyperparameter other than the learning rate changed")
                 return False
         return True
@@ -482,9 +482,17 @@ def _run(clip: Callable[[], None] | None) -> None:
         clip()
 
 
-def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    """A parameter group's hyperparameters but its parameters, learning rate and ``capturable`` (set by the graph)."""
-    return {key: value for key, value in group.items() if key not in ("params", "lr", "capturable")}
+def _settings(group: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters of a parameter group that the update reads (those the optimizer has ``defaults`` for)
+    but its learning rate and ``capturable`` (set by the graph): the keys a scheduler adds for itself
+    (``initial_lr``; SWALR's ``swa_lr``, made mid-fit by Lightning's StochasticWeightAveraging) are not among them.
+
+    Example::
+
+        >>> _settings({"lr": 0.1, "momentum": 0.9, "initial_lr": 0.1, "params": []}, {"lr": 0.01, "momentum": 0})
+        {'momentum': 0.9}
+    """
+    return {key: group[key] for key in defaults if key in group and key not in ("lr", "capturable")}
 
 
 def _fused_in_graph(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> bool:

@@ -215,6 +215,25 @@ def test_uninstalling_leaves_the_optimizer_as_it_was():
     assert "step" not in vars(bare)  # without a scheduler, the class's step again
 
 
+def test_a_scheduler_made_after_the_install_wraps_the_replaced_step_and_the_graph_still_replays():
+    """Lightning's StochasticWeightAveraging makes an SWALR at its first averaging epoch, mid-fit; torch's
+    schedulers wrap the optimizer's ``step`` through its ``__func__``, which a plain function lacks: the fit
+    crashed (on an H200, under FuseCallback's plan, at the SWA epoch)."""
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(net.parameters(), fused=True)
+    graph = OptimizerGraph(optimizer, capture=fake_capture)
+    graph.install()
+    step(net, optimizer)
+    schedule = torch.optim.swa_utils.SWALR(optimizer, swa_lr=0.01, anneal_epochs=1)  # raised AttributeError
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step.*")  # torch's "before optimizer.step()"
+        for _ in range(3):
+            step(net, optimizer)
+            schedule.step()
+    assert graph.replays == 3 and graph.disabled_reason is None, "SWALR's own keys in the group change no setting"
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
 def test_the_graph_updates_with_torchs_fused_kernel_where_the_user_left_the_choice_to_torch(monkeypatch):
     """An AdamW whose implementation the user left to torch: the warm-up and the replays run torch's fused kernel
     (one launch per chunk of tensors), training as the optimizer's own update; the group keeps the user's choice."""
