@@ -204,6 +204,8 @@ class FuseCallback(Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         fit = self.fit
         fit.timer.start()  # this step's start is the last step's end
+        if batch_idx == 0:  # after every callback's epoch-end and epoch-start hooks
+            fit.renew_graphs_if_model_changed()
         if fit.hooks.buckets is not None:
             fit.hooks.buckets(batch)  # in place: training_step receives this very batch
         fit.mark_dynamic(self.dims, batch, "train", lambda: trainer.train_dataloader)

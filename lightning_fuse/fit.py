@@ -110,6 +110,8 @@ class FitState:
     """Several processes: rank zero's optimizer-graph trial has yet to decide every rank's graphs."""
     capture_optimizer: Any = None
     """How an optimizer's update is captured (``None``: in a CUDA graph; a test on CPU fakes it)."""
+    renewed_graphs: int = 0
+    """Times the CUDA graphs were captured again over a model whose state changed between epochs."""
 
     @property
     def reference_cost(self) -> float | None:
@@ -221,6 +223,21 @@ class FitState:
         if self.plan is None:  # the running guard's eager step before the plan ends where its device work does
             self.timer.wait_for_device()
         return self.pace.end(judged=not excused, one_time=compiled_now or captured_now)
+
+    def renew_graphs_if_model_changed(self) -> None:
+        """At an epoch's first step: where the model's parameters or buffers were renamed or given new storage
+        since the last epoch's (:mod:`~lightning_fuse.module_state`), the CUDA graphs captured over them, the
+        plan's and the optimizers', are dropped, to be captured again over the model as it is; said once."""
+        if self.hooks.state is None or not self.hooks.state.changed():
+            return
+        graphs = [graph for graph in (plan_graph(self.plan), *self.optimizer_graphs) if graph and graph.captured]
+        for graph in graphs:
+            graph.release()
+        if graphs and not self.renewed_graphs:
+            rank_zero_info("FuseCallback: the model's parameters or buffers were renamed or given new storage since "
+                           "the last epoch (as Lightning's ModelPruning does): its CUDA graphs, which replay the "
+                           "old ones, are captured again.")  # fmt: skip
+        self.renewed_graphs += bool(graphs)
 
     def close_step_context(self) -> None:
         """Leave the running step's contexts, keeping the FLOPs it counted."""

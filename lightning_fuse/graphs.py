@@ -239,7 +239,10 @@ class GraphedModule:
 
     def release(self) -> None:
         """Drop every captured graph; their memory pools go with the collection that follows, run only when there
-        were some (with none it cost a warm MobileNet fit 0.3 s as the losing candidates were released)."""
+        were some (with none it cost a warm MobileNet fit 0.3 s as the losing candidates were released). The
+        module's parameters are read again: the next eligible call captures over them as they are now (renamed or
+        given new storage, :mod:`~lightning_fuse.module_state`)."""
+        self._params = list(self.module.parameters())
         if self._graphs:
             self._graphs.clear()
             gc.collect()

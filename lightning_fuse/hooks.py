@@ -4,7 +4,8 @@
 ``use_cache=False`` in an HF causal LM's training calls (:mod:`~lightning_fuse.kv_cache`), cuDNN attention left out
 where the lengths vary (:class:`~lightning_fuse.call_shapes.NoCudnnAttention`), the backward guard
 (:mod:`~lightning_fuse.guard`), dynamo's recompile limit raised for the regions, the compile cache's environment
-(:mod:`~lightning_fuse.cache`), and the buckets that pad the batches (:mod:`~lightning_fuse.buckets`).
+(:mod:`~lightning_fuse.cache`), the buckets that pad the batches (:mod:`~lightning_fuse.buckets`), and the watch
+on the model's parameters and buffers (:mod:`~lightning_fuse.module_state`).
 :meth:`FitHooks.install` puts them on at fit start, :meth:`FitHooks.remove` takes every one off.
 
 Example::
@@ -33,6 +34,7 @@ from lightning_fuse.buckets import PadToBuckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.guard import BackwardGuard
 from lightning_fuse.kv_cache import NoCacheInTraining
+from lightning_fuse.module_state import StateWatch
 from lightning_fuse.randomness import RandomDraws
 
 if TYPE_CHECKING:
@@ -65,14 +67,16 @@ class FitHooks:
     random: RandomDraws = field(default_factory=RandomDraws)
     """Whether the network's calls before the plan was chosen drew random numbers (dropout, a layer or a function)."""
     saved_recompile_limit: int | None = None
+    state: StateWatch | None = None
+    """Whether the model's parameters and buffers were renamed or given new storage since the last look."""
     _recorder: list[Any] = field(default_factory=list)
 
     @classmethod
     def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
                 on_failure: Callable[[str], None], pad_buckets: Sequence[int] | None) -> FitHooks:  # fmt: skip
-        """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, the backward guard on
-        ``pl_module`` (``on_failure``: the plan dropped; a redone step runs in ``precision``'s autocast and loss
-        scale), the buckets where ``pad_buckets`` are given."""
+        """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, the backward guard and
+        the state watch on ``pl_module`` (``on_failure``: the plan dropped; a redone step runs in ``precision``'s
+        autocast and loss scale), the buckets where ``pad_buckets`` are given."""
         hooks = cls(buckets=PadToBuckets(pad_buckets) if pad_buckets else None)
         hooks.no_cache = NoCacheInTraining(network)
         hooks.no_cache.install()
@@ -81,6 +85,7 @@ class FitHooks:
         hooks.guard = BackwardGuard(on_failure, precision.forward_context,
                                     scaler.scale if scaler is not None else lambda loss: loss)  # fmt: skip
         hooks.guard.install(pl_module)
+        hooks.state = StateWatch(pl_module)
         return hooks
 
     def start_recording(self, network: nn.Module) -> None:

@@ -181,7 +181,9 @@ class OptimizerGraph:
         self.release()
 
     def release(self) -> None:
-        """Drop the graph and its buffers; the optimizer's settings and step counters go back as the user had them."""
+        """Drop the graph and its buffers; the optimizer's settings and step counters go back as the user had them.
+        Where it was not disabled, the next steps warm up and capture it again (over parameters given new storage,
+        :mod:`~lightning_fuse.module_state`)."""
         self._replay, self._grads, self._grad_shards, self._lrs, self._warm = None, [], None, [], False
         self._counters.to_host()
 

@@ -401,6 +401,11 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
         hint = (f"Dim {mismatch.group(1)} was marked dynamic, but the first compile specialised it (code that sets "
                 "it beside a static size, as an attention mask's other dims do): torch's automatic dynamic shapes "
                 "compile it dynamic now, nothing to do unless it keeps recompiling")
+    elif "KeyError on" in reason and ("._parameters[" in reason or "._buffers[" in reason):
+        hint = ("A parameter or buffer of the region was removed or renamed (torch.nn.utils.prune, which Lightning's "
+                "ModelPruning calls, turns a pruned `weight` into `weight_orig` and a mask): the region compiles "
+                "again for the module as it now is, so `dynamic_dims` does not help. Nothing to do where it "
+                "happens once a pruning")
     elif "GLOBAL_STATE" in reason:
         hint = ("The code ran under another global setting than when it was compiled (grad mode, autocast, a "
                 "default dtype): dynamo compiles a version for each, so `dynamic_dims` does not help. Nothing to do "

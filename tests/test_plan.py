@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_fuse import compat
 from lightning_fuse.compiler import CompileOptions
+from lightning_fuse.fit import FitState
 from lightning_fuse.graphs import (
     SET_REPLACEMENTS,
     TRAINABLE_SETS,
@@ -23,6 +24,7 @@ from lightning_fuse.graphs import (
     host_syncs_raise,
 )
 from lightning_fuse.plan import (
+    Plan,
     Regions,
     Setting,
     UserCompiled,
@@ -33,9 +35,10 @@ from lightning_fuse.plan import (
     user_compiled,
     user_compiled_candidates,
 )
+from lightning_fuse.module_state import StateWatch
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.replay import release_capture_graph
-from tests.faults import grad_buffer_capture
+from tests.faults import default_adamw_under_graph, grad_buffer_capture
 from tests.toy import ToyTask
 
 CUDA = torch.device("cuda", 0)
@@ -539,3 +542,40 @@ def test_a_graph_plan_is_refused_before_compiling_when_the_code_between_regions_
         assert reason is None
     assert sync.mode == "default" and not net.block._forward_hooks  # nothing left behind
     assert Regions(setting, graph=False).unfit(lambda: sync.sync()) is None  # no graph, nothing to refuse
+
+
+def test_graphs_over_a_model_whose_parameters_got_new_storage_between_epochs_are_captured_again(caplog):
+    """Lightning's ModelPruning renames each pruned ``weight`` (``weight_orig`` and a mask buffer) and, with its
+    lottery-ticket reset, gives the parameters new storage (``param.data = ...``) at an epoch's end; a graph
+    captured before replays the old storage, and on an H200 such a fit's losses went to NaN. At the next epoch's
+    first step the plan's graph and the optimizer's are dropped, to be captured again; said once."""
+    net, optimizer, optimizer_graph, _, _ = default_adamw_under_graph()
+    log: list[int] = []
+    graphed = GraphedModule("net", net, capture=fake_capture(log), on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    fit = FitState(plan=Plan(), optimizer_graphs=[optimizer_graph])
+    fit.plan.graph, fit.hooks.state = graphed, StateWatch(net)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        net(torch.ones(4, 2)).sum().backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    assert graphed.captured and optimizer_graph.captured and log == [1]
+    fit.renew_graphs_if_model_changed()  # nothing changed: the graphs stay
+    assert graphed.captured and optimizer_graph.captured
+    net.weight.data = net.weight.data.clone()  # the lottery-ticket reset's new storage
+    with caplog.at_level("INFO"):
+        caplog.clear()
+        fit.renew_graphs_if_model_changed()
+        fit.renew_graphs_if_model_changed()
+    assert not graphed.captured and not optimizer_graph.captured and fit.renewed_graphs == 1
+    said = [r.message for r in caplog.records if "given new storage" in r.message]
+    assert len(said) == 1 and "captured again" in said[0]
+    for _ in range(3):
+        step()
+    assert graphed.captured and optimizer_graph.captured and log == [1, 1], "captured over the new storage"
+    assert optimizer_graph.disabled_reason is None

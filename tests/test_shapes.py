@@ -243,6 +243,7 @@ def test_a_varying_dim_is_not_marked_where_it_held_a_fixed_size_in_inputs_that_n
     ("0/2: len(G['__import_transformers_dot_utils_dot_output_capturing']._active_collector.context_var.get()"
      "['router_logits']) == 4", "output_router_logits"),  # HF Mixtral: each layer appends to a list
     ("22/0: GLOBAL_STATE changed: grad_mode", "another global setting"),  # HF DETR's matcher under no_grad
+    ("0/0: KeyError on self._modules['mlp']._modules['0']._parameters['bias']", "ModelPruning"),  # pruned
 ])
 def test_a_recompile_on_a_global_does_not_ask_the_user_to_declare_a_dim(reason, hint):
     """Guards on a global Python value or on global state (grad mode) are not an input's size: the hint once
