@@ -235,8 +235,8 @@ class FitState:
             graph.release()
         if graphs and not self.renewed_graphs:
             rank_zero_info("FuseCallback: the model's parameters or buffers were renamed or given new storage since "
-                           "the last epoch (as Lightning's ModelPruning does): its CUDA graphs, which replay the "
-                           "old ones, are captured again.")  # fmt: skip
+                           "the last epoch (as Lightning's ModelPruning, and StochasticWeightAveraging's BatchNorm "
+                           "update, do): its CUDA graphs, which replay the old ones, are captured again.")  # fmt: skip
         self.renewed_graphs += bool(graphs)
 
     def close_step_context(self) -> None:
@@ -272,8 +272,7 @@ class FitState:
             parts.append(f"plan dropped: {self.dropped}")
         graph = plan_graph(self.plan)
         if graph is not None:
-            parts.append(f"graph: captured, {graph.replays} replays" if graph.captured
-                         else f"graph: not captured ({graph.disabled_reason or 'no eligible call'})")  # fmt: skip
+            parts.append(graph.describe())
         trees = self.trees_recorded()
         if trees is not None:
             parts.append(self._trees_part(*trees))

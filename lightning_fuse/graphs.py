@@ -227,6 +227,20 @@ class GraphedModule:
         """How many graphs are captured (one per call signature and set of trainable parameters)."""
         return len(self._graphs)
 
+    def describe(self) -> str:
+        """What became of the graph, for the fit's summary, e.g. ``graph: captured, 191 replays``.
+
+        Example::
+
+            >>> GraphedModule("model", torch.nn.Linear(2, 2)).describe()
+            'graph: not captured (no eligible call)'
+        """
+        if self.captured:
+            return f"graph: captured, {self.replays} replays"
+        if self.replays:  # captured, then dropped: the model changed under it and capturing it again failed
+            return f"graph: {self.replays} replays, then none ({self.disabled_reason or 'released'})"
+        return f"graph: not captured ({self.disabled_reason or 'no eligible call'})"
+
     def install(self) -> None:
         # Sit where Module.compile sits, outside any compiled region of the module itself, so the capture decision
         # runs in Python even when the whole module is compiled.

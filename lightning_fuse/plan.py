@@ -287,7 +287,8 @@ class Regions(Plan):
 
     @property
     def shortfall(self) -> list[str]:
-        missing = {"its graph not captured": self._graph_refused(),
+        graph = "its graph dropped after its replays" if self.graph is not None and self.graph.replays else None
+        missing = {graph or "its graph not captured": self._graph_refused(),
                    "its regions fell back to eager": self._regions_fell_back()}  # fmt: skip
         return [what for what, happened in missing.items() if happened]
 

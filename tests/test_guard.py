@@ -90,6 +90,9 @@ def test_the_summary_says_a_graph_that_was_not_captured_was_not_captured():
     assert "graph: captured" not in ran  # what_ran's words for a graph that was captured
     assert plan.failure.startswith("no graph:")
     assert fit.plan_shortfall() == "its graph not captured"  # and the verdict says it beside the plan's name
+    plan.graph.replays = 191  # it was captured, then dropped: captured again over a changed model, it failed
+    assert "graph: 191 replays, then none (its output holds" in fit.what_ran()
+    assert fit.plan_shortfall() == "its graph dropped after its replays"
 
 
 def test_the_verdict_says_a_plan_that_ran_eagerly_did_not_run_as_named():

@@ -579,3 +579,5 @@ def test_graphs_over_a_model_whose_parameters_got_new_storage_between_epochs_are
         step()
     assert graphed.captured and optimizer_graph.captured and log == [1, 1], "captured over the new storage"
     assert optimizer_graph.disabled_reason is None
+    graphed.disable("the capture failed (RuntimeError: called a synchronizing CUDA operation)")  # as under SWA's BN
+    assert f"graph: {graphed.replays} replays, then none (the capture failed" in fit.what_ran()
