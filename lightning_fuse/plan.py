@@ -287,8 +287,9 @@ class Regions(Plan):
 
     @property
     def shortfall(self) -> list[str]:
-        graph = "its graph dropped after its replays" if self.graph is not None and self.graph.replays else None
-        missing = {graph or "its graph not captured": self._graph_refused(),
+        replayed = self.graph is not None and self.graph.replays
+        refused = "its graph dropped after its replays" if replayed else "its graph not captured"
+        missing = {refused: self._graph_refused(),
                    "its regions fell back to eager": self._regions_fell_back()}  # fmt: skip
         return [what for what, happened in missing.items() if happened]
 

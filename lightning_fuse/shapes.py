@@ -390,7 +390,7 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
         True
     """
     reason = stats.recompile_reasons[-1] if stats.recompile_reasons else "unknown"
-    mismatch = re.search(r"size mismatch at index (\d+)\. expected (\d+), actual (\d+)", reason)
+    mismatch = re.search(r"size mismatch at index (\d+)(?:\. expected (\d+), actual (\d+))?", reason)
     if mismatch and (sizes := {mismatch.group(2), mismatch.group(3)} & {"0", "1"}):
         hint = (f"Dim {mismatch.group(1)} had size {min(sizes)}, which torch compiles as a constant even in a dim "
                 "marked dynamic: the calls where it is 0 or 1 and the others compile versions of their own, and an "

@@ -23,6 +23,7 @@ from lightning_fuse.graphs import (
     graph_target,
     host_syncs_raise,
 )
+from lightning_fuse.module_state import StateWatch
 from lightning_fuse.plan import (
     Plan,
     Regions,
@@ -35,7 +36,6 @@ from lightning_fuse.plan import (
     user_compiled,
     user_compiled_candidates,
 )
-from lightning_fuse.module_state import StateWatch
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.replay import release_capture_graph
 from tests.faults import default_adamw_under_graph, grad_buffer_capture
