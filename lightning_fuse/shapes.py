@@ -391,12 +391,13 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
     """
     reason = stats.recompile_reasons[-1] if stats.recompile_reasons else "unknown"
     mismatch = re.search(r"size mismatch at index (\d+)(?:\. expected (\d+), actual (\d+))?", reason)
-    if mismatch and (sizes := {mismatch.group(2), mismatch.group(3)} & {"0", "1"}):
-        hint = (f"Dim {mismatch.group(1)} had size {min(sizes)}, which torch compiles as a constant even in a dim "
-                "marked dynamic: the calls where it is 0 or 1 and the others compile versions of their own, and an "
-                "input holding several such tensors (a detection batch's boxes, a tensor an image) compiles one for "
-                "each mix, up to the recompile limit. Where it keeps recompiling, compile the parts whose inputs "
-                "keep their sizes (`targets`, e.g. the backbone) or keep these sizes above 1")
+    one_sized = mismatch and {mismatch.group(2), mismatch.group(3)} & {"0", "1"}
+    if one_sized or "0/1 specialization" in reason:
+        hint = ("A dim met a size of 0 or 1, which torch compiles as a constant even in a dim marked dynamic: the "
+                "calls where it is 0 or 1 and the others compile versions of their own (a last batch of one, say), "
+                "and an input holding several such tensors (a detection batch's boxes, a tensor an image) compiles "
+                "one for each mix, up to the recompile limit. Where it keeps recompiling, compile the parts whose "
+                "inputs keep their sizes (`targets`, e.g. the backbone) or keep these sizes above 1")
     elif mismatch and int(mismatch.group(1)) in marked:
         hint = (f"Dim {mismatch.group(1)} was marked dynamic, but the first compile specialised it (code that sets "
                 "it beside a static size, as an attention mask's other dims do): torch's automatic dynamic shapes "
