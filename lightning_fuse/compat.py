@@ -110,6 +110,7 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._foreach_copy_", "copying the gradients into a captured update's buffers in one launch"),
         PrivateAPI("torch._foreach_add_", "adding a replayed backward's gradients to those held, in one launch"),
         PrivateAPI("torch._C._cuda_clearCublasWorkspaces", "private cuBLAS workspaces per CUDA graph", required=False),
+        PrivateAPI("torch._C._storage_Use_Count", "telling whether a CUDA graph's last outputs are still held"),
         *(PrivateAPI(f"torch.Tensor.{name}", "telling whether anything watches a parameter's gradient arrive",
                      required=False) for name in ("_backward_hooks", "_post_accumulate_grad_hooks")),
         *(PrivateAPI(f"torch.optim.optimizer.{name}", "telling a captured optimizer update from one with step hooks",
@@ -530,12 +531,7 @@ def cudagraph_tree_stats(device_index: int) -> tuple[int, int]:
 def _tree_nodes(roots: Mapping[Any, list[Any]] | None) -> int:
     """The nodes of the trees under ``roots`` (lists of nodes, each with ``children`` alike); ``None`` (trees shut
     down) has none."""
-    nodes = [node for group in (roots or {}).values() for node in group]
-    count = 0
-    while nodes:
-        count += 1
-        nodes += [child for group in nodes.pop().children.values() for child in group]
-    return count
+    return sum(1 + _tree_nodes(node.children) for group in (roots or {}).values() for node in group)
 
 
 def maybe_mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
@@ -907,3 +903,19 @@ def clear_cublas_workspaces() -> None:
         >>> clear_cublas_workspaces()  # on a CUDA build of torch; nothing to drop before a matrix product ran
     """
     _get("torch._C._cuda_clearCublasWorkspaces")()
+
+
+def storage_users(tensor: torch.Tensor) -> int:
+    """How many tensors share ``tensor``'s memory: itself, its views and detached aliases.
+
+    Why private: torch has no public count of a storage's users; its cudagraph trees read
+    ``torch._C._storage_Use_Count`` to tell whether a graph's output is still held, and so does
+    :mod:`~lightning_fuse.graph_slots`.
+
+    Example::
+
+        >>> base = torch.zeros(4)
+        >>> storage_users(base), storage_users(base[:2])
+        (1, 2)
+    """
+    return _get("torch._C._storage_Use_Count")(tensor.untyped_storage()._cdata) - 1  # less the storage object here

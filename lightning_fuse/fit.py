@@ -170,7 +170,7 @@ class FitState:
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
         graph = plan_graph(self.plan)
         if graph is not None:
-            graph.grads_zeroed_after_forward = zeroed_after_forward
+            graph.begin_step(zeroed_after_forward)
         for graph in filter(None, self.optimizer_graphs):
             graph.enabled = not eager  # an eager reference step's update is the optimizer's own
         if eager:

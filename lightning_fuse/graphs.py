@@ -29,7 +29,6 @@ Example::
 from __future__ import annotations
 
 import gc
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -40,7 +39,9 @@ from torch import nn
 
 from lightning_fuse import compat, replay
 from lightning_fuse.compiler import PLAIN, describe_error, forced_eager
+from lightning_fuse.graph_slots import OutputSlots
 from lightning_fuse.held_gradients import own_kept_gradients, own_kept_gradients_before_backward
+from lightning_fuse.host_syncs import host_syncs_raise
 from lightning_fuse.regions import has_params, is_metric
 from lightning_fuse.state import Snapshot
 
@@ -51,8 +52,9 @@ SET_REPLACEMENTS = 4
 """How often the graphs of the set used least recently make way for a new set: the plan search's set (every
 parameter trains outside the training step) for the training steps' sets, an unfreezing schedule's stages. Beyond
 that, a new set runs without a graph rather than capture again and again."""
-SYNC_DEBUG_PROTOTYPE = "Synchronization debug mode is a prototype feature"
-"""The start of torch's warning on turning host-sync checks on, once a process (:func:`_set_sync_debug_mode`)."""
+HELD = ("its outputs were still held after their step (kept for an epoch-end metric, say), and the next replay "
+        "would overwrite them: keep copies (`.detach().clone()`) to keep the graph")
+"""Why a module's graph ends when a step's outputs outlive it (:mod:`~lightning_fuse.graph_slots`)."""
 
 
 class Uncapturable(Exception):
@@ -201,15 +203,17 @@ class GraphedModule:
         self.captured_during_last_call = False
         self.replays = 0
         self.grads_zeroed_after_forward = False
-        """Set per step: the gradients are zeroed between this step's forward and backward (Lightning's automatic
-        optimization at an optimizer step's first micro-batch), so held gradients are copied at the backward, where
-        zeroing set them to ``None`` (nothing to copy), not at the forward (every gradient copied for nothing)."""
+        """Set per step (:meth:`begin_step`): the gradients are zeroed between this step's forward and backward
+        (Lightning's automatic optimization at an optimizer step's first micro-batch), so held gradients are copied at
+        the backward, where zeroing set them to ``None`` (nothing to copy), not at the forward (every gradient copied
+        for nothing)."""
         self.disabled_reason: str | None = None
         self._capture_fn = capture or replay.capture
         self._on_device = on_device
         self._compiles = compiles
         self.max_graphs = max_graphs
-        self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # call signature -> (its adapter, its replay)
+        self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # ((call, trainable set), slot) -> (adapter, replay)
+        self._slots = OutputSlots()
         self._params = list(module.parameters())
         self._said_trainable = False
         self._replacements_left = SET_REPLACEMENTS
@@ -224,7 +228,7 @@ class GraphedModule:
 
     @property
     def graphs(self) -> int:
-        """How many graphs are captured (one per call signature and set of trainable parameters)."""
+        """How many graphs are captured (one per call signature, set of trainable parameters and slot)."""
         return len(self._graphs)
 
     def describe(self) -> str:
@@ -257,6 +261,7 @@ class GraphedModule:
         module's parameters are read again: the next eligible call captures over them as they are now (renamed or
         given new storage, :mod:`~lightning_fuse.module_state`)."""
         self._params = list(self.module.parameters())
+        self._slots.forget()
         if self._graphs:
             self._graphs.clear()
             gc.collect()
@@ -268,6 +273,11 @@ class GraphedModule:
             self.release()
             rank_zero_warn(f"FuseCallback: no CUDA graph over {self.name!r}: {reason}. It runs without one.")
 
+    def begin_step(self, grads_zeroed_after_forward: bool) -> None:
+        """A training step begins (:attr:`grads_zeroed_after_forward` says how its gradients are zeroed)."""
+        self.grads_zeroed_after_forward = grads_zeroed_after_forward
+        self._slots.begin_step()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.captured_during_last_call = False
         leaves, spec = compat.tree_flatten((args, kwargs))  # once per call: this is every training step's path
@@ -278,17 +288,22 @@ class GraphedModule:
         signature = (_signature(leaves, spec), tuple(p.requires_grad for p in self._params))
         self._calls += 1
         self._last_call[signature[1]] = self._calls
-        if signature not in self._graphs and self.capture_allowed and self._make_room(signature):
-            self._capture(signature, leaves, args, kwargs)
-            self.captured_during_last_call = signature in self._graphs
-        if signature not in self._graphs:
+        key = self._slots.free(signature)  # None: each graph of this call awaits its backward (a third view)
+        if key in self._graphs and self._slots.held(key):
+            self.disable(HELD)
+            return self.run_inner(*args, **kwargs)
+        if key is not None and key not in self._graphs and self.capture_allowed and self._make_room(key):
+            self._capture(key, leaves, args, kwargs)
+            self.captured_during_last_call = key in self._graphs
+        if key not in self._graphs:
             self._say_if_trainable_changed(signature)
             return self.run_inner(*args, **kwargs)
-        flat, graphed = self._graphs[signature]
+        flat, graphed = self._graphs[key]
         if not self.grads_zeroed_after_forward:
             own_kept_gradients(flat.trained)
         try:
             outputs = graphed(*flat.pick(leaves))
+            self._slots.replayed(key, outputs)
             if self.grads_zeroed_after_forward:
                 own_kept_gradients_before_backward(outputs, flat.trained)
             out = flat.rebuild(outputs)
@@ -298,29 +313,29 @@ class GraphedModule:
         self.replays += 1
         return out
 
-    def _make_room(self, signature: tuple) -> bool:
-        """Whether a graph for ``signature`` may be captured: at most ``max_graphs`` call signatures, each for at
-        most :data:`TRAINABLE_SETS` sets of trainable parameters, the set used least recently making way for a new
-        one :data:`SET_REPLACEMENTS` times."""
-        call, trainable = signature
-        if len({c for c, _ in self._graphs} | {call}) > self.max_graphs:
+    def _make_room(self, key: tuple) -> bool:
+        """Whether a graph for ``key`` may be captured: at most ``max_graphs`` call signatures, each for at most
+        :data:`TRAINABLE_SETS` sets of trainable parameters, the set used least recently making way for a new one
+        :data:`SET_REPLACEMENTS` times (each set with its slots: :mod:`~lightning_fuse.graph_slots`)."""
+        (call, trainable), _ = key
+        if len({c for (c, _), _ in self._graphs} | {call}) > self.max_graphs:
             return False
-        trainable_sets = {t for _, t in self._graphs}
+        trainable_sets = {t for (_, t), _ in self._graphs}
         if trainable in trainable_sets or len(trainable_sets) < TRAINABLE_SETS:
             return True
         if not self._replacements_left:
             return False
         self._replacements_left -= 1
         oldest = min(trainable_sets, key=self._last_call.__getitem__)
-        for key in [key for key in self._graphs if key[1] == oldest]:
-            del self._graphs[key]
+        for old in [old for old in self._graphs if old[0][1] == oldest]:
+            del self._graphs[old]
         gc.collect()  # the dropped graphs' memory pools go
         return True
 
     def _say_if_trainable_changed(self, signature: tuple) -> None:
         """Once: a call like a captured one but with a set of trainable parameters the graphs no longer follow
         runs without a graph."""
-        if not self._said_trainable and any(call == signature[0] for call, _ in self._graphs):
+        if not self._said_trainable and any(call == signature[0] for (call, _), _ in self._graphs):
             self._said_trainable = True
             rank_zero_info(f"FuseCallback: the parameters that train in {self.name!r} changed (a layer frozen or "
                            f"unfrozen) more often than its CUDA graphs follow ({TRAINABLE_SETS} sets at once, "
@@ -336,7 +351,7 @@ class GraphedModule:
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         return bool(tensors) and not forced_eager() and all(self._on_device(t) for t in tensors)
 
-    def _capture(self, signature: tuple, leaves: list[Any], args: tuple, kwargs: dict) -> None:
+    def _capture(self, key: tuple, leaves: list[Any], args: tuple, kwargs: dict) -> None:
         flat = FlatCall(self.module, self.run_inner, args, kwargs)
         tensors = static_inputs(flat.pick(leaves))
         self._capturing = True  # the capture calls the module: those calls must reach the inner module
@@ -348,8 +363,9 @@ class GraphedModule:
                 graphed = self._capture_fn(flat, tensors, num_warmup_iters=3)
             graphed = graphed.__dict__.pop("forward") if isinstance(graphed, nn.Module) else graphed
             replay.release_capture_graph(graphed)
-            self._graphs[signature] = (flat, graphed)
-            rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward "
+            self._graphs[key] = (flat, graphed)
+            again = " for a call made again before the backward (a second view of the batch)" if key[1] else ""
+            rank_zero_info(f"FuseCallback: captured a CUDA graph over {self.name!r} forward+backward{again} "
                            f"({len(self._graphs)} so far; at most {self.max_graphs} per set of trainable parameters).")
         except Uncapturable as err:
             self.disable(str(err))
@@ -375,76 +391,6 @@ class GraphedModule:
             _forward_backward(flat, tensors)
         if self._compiles() != before:
             raise Uncapturable("its compiled regions compile again at every call, so they cannot be captured")
-
-
-def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None]) -> str | None:
-    """Why ``module`` compiled whole still makes the host wait for the device (``None``: it does not), found with
-    dynamo's tracing alone (the ``eager`` backend: seconds, no inductor compile).
-
-    ``forward_backward()`` runs one training call of the module, without synchronising. It runs twice: the first
-    traces, the second runs with host syncs raising (on CUDA). A sync that dynamo traces away (an HF model's check of
-    its attention mask) passes; one in the eager code between graph breaks (a TorchScript helper) is what would
-    fail a CUDA graph over the compiled network, after the costly compile.
-
-    Example::
-
-        >>> lin = torch.nn.Linear(2, 2)
-        >>> syncs_when_compiled(lin, lambda: lin(torch.ones(1, 2)).sum().backward()) is None
-        True
-    """
-    on_cuda = any(p.is_cuda for p in module.parameters())
-    installed = compat.compiled_call_impl(module)
-    compat.set_compiled_call_impl(module, torch.compile(compat.plain_call(module), backend="eager"))
-    try:
-        return _sync_on_second_call(forward_backward, on_cuda)
-    finally:
-        compat.set_compiled_call_impl(module, installed)
-
-
-def syncs_between_regions(
-    regions: Sequence[nn.Module], forward_backward: Callable[[], None], on_cuda: bool
-) -> str | None:
-    """Why no graph over the network with ``regions`` compiled can be captured: a host sync in the eager code
-    between the regions (``None``: none found, or not on CUDA), found with the eager network in a second.
-
-    ``forward_backward()`` runs one training call, without synchronising. It runs twice, the second time with host
-    syncs raising everywhere but inside the regions' forwards (their compile may trace a sync away). A sync in the
-    glue (an HF model's check of its attention mask, a TorchScript helper) fails every capture of the network;
-    finding it here spares compiling the regions first.
-
-    Example::
-
-        >>> lin = torch.nn.Linear(2, 2)
-        >>> syncs_between_regions([lin], lambda: lin(torch.ones(1, 2)).sum().backward(), on_cuda=False) is None
-        True
-    """
-    if not on_cuda:
-        return None
-    modes: list[int] = []  # the mode each running region's forward interrupted, restored at its end
-
-    def allow(*_: Any) -> None:
-        modes.append(torch.cuda.get_sync_debug_mode())
-        _set_sync_debug_mode("default")
-
-    handles = [handle for region in regions for handle in (region.register_forward_pre_hook(allow, prepend=True),
-               region.register_forward_hook(lambda *_: _set_sync_debug_mode(modes.pop())))]  # fmt: skip
-    try:
-        return _sync_on_second_call(forward_backward, on_cuda)
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) -> str | None:
-    """Run ``forward_backward`` once (first calls trace, build lazy buffers), then again with host syncs raising
-    (on CUDA): the sync that raised, described, or ``None``."""
-    try:
-        forward_backward()
-        with host_syncs_raise(on_cuda):
-            forward_backward()
-    except RuntimeError as err:
-        return describe_error(err)
-    return None
 
 
 def static_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -498,34 +444,3 @@ def restored_on_failure(module: nn.Module) -> Iterator[None]:
         raise
     finally:
         snapshot.restore_buffers()
-
-
-@contextmanager
-def host_syncs_raise(on: bool) -> Iterator[None]:
-    """Inside the block (``on``: a CUDA run), an operation that makes the host wait for the device raises, as it
-    would inside a capture: ``.item()``, a CPU tensor copied to the GPU, a data-dependent shape.
-
-    Example::
-
-        >>> with host_syncs_raise(False):
-        ...     torch.ones(1).item()
-        1.0
-    """
-    if not on:
-        yield
-        return
-    before = torch.cuda.get_sync_debug_mode()
-    _set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        _set_sync_debug_mode(before)
-
-
-def _set_sync_debug_mode(mode: int | str) -> None:
-    """:func:`torch.cuda.set_sync_debug_mode`, without torch's warning that the mode "is a prototype feature and
-    does not yet detect all synchronizing operations": FuseCallback's checks turn it on, not the user, and a sync it
-    misses fails the capture that follows instead, which is caught there."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SYNC_DEBUG_PROTOTYPE)
-        torch.cuda.set_sync_debug_mode(mode)

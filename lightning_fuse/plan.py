@@ -40,7 +40,8 @@ from lightning_fuse.compiler import (
     plain_eager,
     uncompile_regions,
 )
-from lightning_fuse.graphs import GraphedModule, graph_target, syncs_between_regions, syncs_when_compiled
+from lightning_fuse.graphs import GraphedModule, graph_target
+from lightning_fuse.host_syncs import syncs_between_regions, syncs_when_compiled
 from lightning_fuse.options import AUTO, GRAPHING_MODES, FuseOptions
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker

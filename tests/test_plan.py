@@ -21,8 +21,8 @@ from lightning_fuse.graphs import (
     GraphedModule,
     call_signature,
     graph_target,
-    host_syncs_raise,
 )
+from lightning_fuse.host_syncs import host_syncs_raise
 from lightning_fuse.module_state import StateWatch
 from lightning_fuse.plan import (
     Plan,
@@ -216,6 +216,12 @@ def fake_capture(log):
     return capture
 
 
+def assert_same_output(got, want):
+    assert type(got) is type(want)
+    for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+        torch.testing.assert_close(a, b) if isinstance(b, torch.Tensor) else None
+
+
 @pytest.mark.parametrize("kind", ["dataclass", "dict", "tuple"])
 def test_kwargs_and_pytree_outputs_go_through_the_graph_and_come_back_whole(kind):
     torch.manual_seed(0)
@@ -224,14 +230,11 @@ def test_kwargs_and_pytree_outputs_go_through_the_graph_and_come_back_whole(kind
     graphed.install()
     graphed.capture_allowed = True
     ids = torch.randint(0, 10, (2, 5))
-    first = net(input_ids=ids, scale=2.0)
-    second = net(input_ids=ids, scale=2.0)
-    assert graphed.captured and graphed.replays == 2 and log == [1]
     want = type(net).forward(net, ids, scale=2.0)
-    for got in (first, second):
-        assert type(got) is type(want)
-        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
-            torch.testing.assert_close(a, b) if isinstance(b, torch.Tensor) else None
+    for step in range(2):
+        graphed.begin_step(grads_zeroed_after_forward=False)
+        assert_same_output(net(input_ids=ids, scale=2.0), want)  # nothing of it outlives the step (graph_slots)
+    assert graphed.captured and graphed.replays == 2 and log == [1]
     net(input_ids=ids, scale=3.0)  # another plain input: not the captured call
     assert graphed.replays == 2
     graphed.uninstall()
@@ -277,11 +280,13 @@ def test_replays_never_write_into_the_batches_a_user_keeps_on_the_device():
     graphed.capture_allowed = True
     data = torch.randint(0, 10, (2, 2, 5))  # two batches held in memory, slices of one tensor, as a GPU dataset
     kept = data.clone()
-    losses = [net(input_ids=data[i % 2])["loss"] for i in range(4)]
+    for i in range(4):
+        graphed.begin_step(grads_zeroed_after_forward=False)
+        loss = net(input_ids=data[i % 2])["loss"]
+        torch.testing.assert_close(loss, type(net).forward(net, data[i % 2])["loss"])
+        del loss  # a step's outputs do not outlive it (graph_slots)
     assert graphed.captured and graphed.replays == 4
     assert torch.equal(data, kept)  # the capture batch was copied, not made the graph's buffer
-    for i, loss in enumerate(losses):
-        torch.testing.assert_close(loss, type(net).forward(net, data[i % 2])["loss"])
     graphed.uninstall()
 
 

@@ -1,0 +1,103 @@
+"""Which of a module's CUDA graphs a call may replay without overwriting what is still needed.
+
+A graph's replay writes the call's outputs, and the activations its backward reads, into the same memory each time.
+Two calls of one signature in a training step before their backward (two augmented views of a batch in a
+consistency loss, as FixMatch or SimCLR train; a siamese network) each need theirs until then: the second replay
+of one graph overwrote the first's, so the first call's loss and gradients were the second's (on an H200 a FixMatch
+step's loss rose from 2.6 to 7.4 where eager's fell). Each such call takes a graph of its own, a *slot* (at most
+:data:`SLOTS` per signature), or runs without one. Outputs kept past their step (``self.outputs.append(logits)``,
+Lightning's way to an epoch-end metric) would be overwritten by the next step's replay: the number of tensors that
+share their memory tells, and :class:`~lightning_fuse.graphs.GraphedModule` runs without its graph from then on.
+
+Example::
+
+    >>> import torch
+    >>> slots = OutputSlots()
+    >>> out = torch.ones(2, requires_grad=True) * 2
+    >>> slots.free("call"), slots.replayed(("call", 0), (out,)), slots.free("call")
+    (('call', 0), None, ('call', 1))
+    >>> out.sum().backward()  # the first replay's backward ran: its slot is free again
+    >>> slots.free("call")
+    ('call', 0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_fuse import compat
+
+SLOTS = 2
+"""Graphs per call signature for calls whose replays await their backward together (two views of a batch)."""
+
+
+@dataclass
+class _Slot:
+    pending: bool = False
+    """Replayed, its backward still to come (until the step ends)."""
+    fresh: bool = True
+    """Not replayed yet in this step."""
+    kept: tuple[torch.Tensor, ...] = ()
+    """An alias of each of the last replay's output memories."""
+    users: tuple[int, ...] = ()
+    """How many tensors shared each of them once the call had returned, the call's own outputs not counted."""
+
+
+class OutputSlots:
+    """The slots of a module's graphs: which one a call may replay, and whether a slot's last outputs are held.
+
+    A slot is pending from its replay until the backward reaches it, or until :meth:`begin_step`.
+
+    Example::
+
+        >>> slots = OutputSlots()
+        >>> outputs = (torch.ones(2) * 2,)
+        >>> slots.replayed(("call", 0), outputs)
+        >>> kept = [outputs[0].detach()]; del outputs  # the step's output, kept in a list
+        >>> slots.begin_step(); slots.held(("call", 0))
+        True
+    """
+
+    def __init__(self) -> None:
+        self._slots: dict[Hashable, _Slot] = {}
+
+    def begin_step(self) -> None:
+        """A training step begins: every slot is free, and held outputs are looked for at its first replay."""
+        for slot in self._slots.values():
+            slot.pending, slot.fresh = False, True
+
+    def free(self, signature: Hashable) -> tuple[Hashable, int] | None:
+        """The key of the first slot of ``signature`` not awaiting its backward; ``None`` when all are."""
+        for index in range(SLOTS):
+            slot = self._slots.get((signature, index))
+            if slot is None or not slot.pending:
+                return signature, index
+        return None
+
+    def held(self, key: Hashable) -> bool:
+        """Whether, at its first replay in this step, the slot's last outputs are still held elsewhere."""
+        slot = self._slots.get(key)
+        if slot is None or not slot.fresh:
+            return False
+        return any(compat.storage_users(t) > users for t, users in zip(slot.kept, slot.users, strict=True))
+
+    def replayed(self, key: Hashable, outputs: Sequence[torch.Tensor]) -> None:
+        """The slot just replayed, returning ``outputs``: pending until their backward, and counted."""
+        slot = self._slots.setdefault(key, _Slot())
+        slot.pending, slot.fresh = True, False
+        needs_backward = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
+        if needs_backward is not None:
+            needs_backward.register_prehook(lambda grads: setattr(slot, "pending", False))
+        memories: dict[int, torch.Tensor] = {}
+        for output in outputs:
+            memories.setdefault(output.untyped_storage().data_ptr(), output)
+        slot.kept = tuple(t.detach() for t in memories.values())
+        returned = [sum(o.untyped_storage().data_ptr() == ptr for o in outputs) for ptr in memories]
+        slot.users = tuple(compat.storage_users(t) - n for t, n in zip(slot.kept, returned, strict=True))
+
+    def forget(self) -> None:
+        """The graphs were dropped: no slot is pending, nothing is counted."""
+        self._slots.clear()
