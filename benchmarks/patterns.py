@@ -13,7 +13,7 @@ a profile of the batches before the timed ones (:class:`models.ProfiledSteps`); 
 Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta``
 (fuse's plan for them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers,
 each batch padded to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs
-for ``moe``. On the GPU:
+for ``moe``; ``two_views`` calls the network twice on each batch before one backward (a consistency loss). On the GPU:
 
     python benchmarks/patterns.py --patterns all --budget-s 540
     python benchmarks/patterns.py --patterns varying_length --steps 230 --warmup 130 --budget-s 540
@@ -184,6 +184,22 @@ def clipped(task: models.Task, spec: dict) -> None:
     task.fused = False
 
 
+def two_views(task: models.Task, spec: dict) -> None:
+    """The network called twice on the batch before one backward, as a consistency loss over two views trains
+    (SimCSE, FixMatch, SimCLR): each call must keep its outputs and activations until the backward."""
+    task.loss_fn = TwoCalls(task.loss_fn)
+
+
+class TwoCalls:
+    """``loss_fn`` of both calls, averaged."""
+
+    def __init__(self, loss_fn: Callable) -> None:
+        self.loss_fn = loss_fn
+
+    def __call__(self, model: nn.Module, batch: Any) -> Tensor:
+        return (self.loss_fn(model, batch) + self.loss_fn(model, batch)) / 2
+
+
 def nothing(task: models.Task, spec: dict) -> None:
     """The pattern lives in the Trainer's arguments."""
 
@@ -203,6 +219,7 @@ PATTERNS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Callable, dict]] = {
     "varying_length_each": (HF + ENCODERS, ALL_VARIANTS, varying_length(40), {}),
     "varying_length_buckets": (HF, ("fuse",), buckets, {}),
     "moe": (("gpt",), ALL_VARIANTS, moe, {}),
+    "two_views": (HF + VISION, ALL_VARIANTS, two_views, {}),
 }
 """pattern -> (models it applies to, variants, ``apply(task, spec)`` returning extra FuseCallback arguments
 under ``"fuse"``, Trainer arguments (``optimizers``: optimizer steps per batch))."""
