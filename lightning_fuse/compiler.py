@@ -189,7 +189,7 @@ class CompiledRegion:
         self.closed_reason: str | None = None
         """Why the region compiles nothing new: past ``recompile_limit`` its compiled code still runs the kinds of
         input it was compiled for, and a new kind runs eagerly (torch's ``eager_on_recompile`` stance)."""
-        self._compiled = torch.compile(compat.plain_call(region.module), **options.kwargs())
+        self._compiled = torch.compile(compilable_call(region.module), **options.kwargs())
         self._settings = repr(options.kwargs())  # another plan's settings compile anew: a compile, not a recompile
         self._verified: set[ModeKey] = set()
         self._capture_undone = replay.capture_failure_undone if options.mode in GRAPHING_MODES else nullcontext
@@ -307,7 +307,7 @@ class CompiledRegion:
         if self.policy.on_recompile_limit == "dynamic" and not self._made_dynamic:
             self._made_dynamic = True
             self._recompiles_allowed = recompiles + 1 + self.policy.recompile_limit  # the dynamic one is free
-            self._compiled = torch.compile(compat.plain_call(self.region.module), **self.options.kwargs(dynamic=True))
+            self._compiled = torch.compile(compilable_call(self.region.module), **self.options.kwargs(dynamic=True))
             rank_zero_warn(
                 f"FuseCallback: region {self.name!r} recompiled {recompiles} times (limit "
                 f"{self.policy.recompile_limit}); compiling it with dynamic=True from now on."
@@ -324,6 +324,35 @@ class CompiledRegion:
 
     def _stance(self) -> AbstractContextManager[Any]:
         return torch.compiler.set_stance("eager_on_recompile") if self.closed_reason else nullcontext()
+
+
+def compilable_call(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s plain call (:func:`~lightning_fuse.compat.plain_call`, hooks included) in a form dynamo compiles.
+
+    torch 2.11 compiles nothing of a module of torch's own (``nn.Sequential``, ``nn.TransformerEncoderLayer``)
+    through ``Module.compile()`` or the slot FuseCallback installs into: dynamo leaves the frame alone, and the module
+    runs eagerly without a word (on an H200, a network held as an ``nn.Sequential`` "compiled" in 0.0 s; torch 2.14
+    compiles it). Called from a function of ours, it is traced as a user's module is.
+
+    Example::
+
+        >>> compilable_call(nn.Sequential(nn.Linear(2, 2))).__name__  # torch's own: called from ours
+        'torch_module_call'
+        >>> class Net(nn.Module):
+        ...     def forward(self, x):
+        ...         return x
+        >>> net = Net()
+        >>> compilable_call(net) == compat.plain_call(net)  # a user's module: as Module.compile compiles it
+        True
+    """
+    call = compat.plain_call(module)
+    if not type(module).__module__.startswith("torch."):
+        return call
+
+    def torch_module_call(*args: Any, **kwargs: Any) -> Any:
+        return call(*args, **kwargs)
+
+    return torch_module_call
 
 
 def uncompile_regions(runners: Sequence[CompiledRegion]) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_fuse import compat
-from lightning_fuse.compiler import describe_error
+from lightning_fuse.compiler import compilable_call, describe_error
 
 SYNC_DEBUG_PROTOTYPE = "Synchronization debug mode is a prototype feature"
 """The start of torch's warning on turning host-sync checks on, once a process (:func:`_set_sync_debug_mode`)."""
@@ -48,7 +48,7 @@ def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None])
     """
     on_cuda = any(p.is_cuda for p in module.parameters())
     installed = compat.compiled_call_impl(module)
-    compat.set_compiled_call_impl(module, torch.compile(compat.plain_call(module), backend="eager"))
+    compat.set_compiled_call_impl(module, torch.compile(compilable_call(module), backend="eager"))
     try:
         return _sync_on_second_call(forward_backward, on_cuda)
     finally:

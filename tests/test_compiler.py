@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_fuse import replay
-from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, uncompile_regions
+from lightning_fuse import compat, replay
+from lightning_fuse.compiler import CompiledRegion, CompileOptions, RegionPolicy, compilable_call, uncompile_regions
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
 from tests.toy import FunctionalDropoutBlock, Net
@@ -331,3 +331,18 @@ def test_plans_that_compile_a_region_with_other_settings_spend_none_of_its_recom
         torch._dynamo.config.automatic_dynamic_shapes = True
         runner.uninstall()
         tracker.remove()
+
+
+def test_a_module_of_torchs_own_is_compiled_through_a_function_of_ours():
+    """torch 2.11 compiled nothing of an ``nn.Sequential`` region through its ``_call_impl`` (an H200 probe's CNN
+    "compiled" in 0.0 s); called from a function of ours, dynamo traces it, hooks included."""
+    from torch._dynamo.utils import counters
+
+    seq = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+    seen = []
+    seq.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    torch._dynamo.reset()
+    counters.clear()
+    out = torch.compile(compilable_call(seq), backend="eager")(torch.ones(4, 2))
+    assert counters["frames"]["ok"] == 1 and seen == [(4, 3)]
+    torch.testing.assert_close(out, compat.plain_call(seq)(torch.ones(4, 2)))
