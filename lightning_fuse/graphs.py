@@ -288,11 +288,13 @@ class GraphedModule:
         signature = (_signature(leaves, spec), tuple(p.requires_grad for p in self._params))
         self._calls += 1
         self._last_call[signature[1]] = self._calls
-        key = self._slots.free(signature)  # None: each graph of this call awaits its backward (a third view)
+        key = self._slots.free(signature)
+        if key is None:  # each graph of this call awaits its backward: a third view of the batch runs without one
+            return self.run_inner(*args, **kwargs)
         if key in self._graphs and self._slots.held(key):
             self.disable(HELD)
             return self.run_inner(*args, **kwargs)
-        if key is not None and key not in self._graphs and self.capture_allowed and self._make_room(key):
+        if key not in self._graphs and self.capture_allowed and self._make_room(key):
             self._capture(key, leaves, args, kwargs)
             self.captured_during_last_call = key in self._graphs
         if key not in self._graphs:

@@ -74,7 +74,7 @@ def views_step(model, x, views: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("views", [2, 3])
-def test_calls_made_again_before_the_backward_each_keep_their_own_outputs_and_gradients(views):
+def test_calls_made_again_before_the_backward_each_keep_their_own_outputs_and_gradients(views, caplog):
     net, twin, graphed = graphed_twins()
     for step in range(3):
         x = torch.randn(4, 6)
@@ -85,6 +85,7 @@ def test_calls_made_again_before_the_backward_each_keep_their_own_outputs_and_gr
             torch.testing.assert_close(got.grad, expected.grad)
     assert graphed.graphs == graph_slots.SLOTS  # a third view runs without a graph: each slot awaits its backward
     assert graphed.replays == 3 * graph_slots.SLOTS
+    assert "parameters that train" not in caplog.text  # a third view is not a change of the trainable set
 
 
 def test_a_call_whose_backward_never_came_frees_its_slot_at_the_next_step():
