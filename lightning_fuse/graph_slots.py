@@ -91,12 +91,11 @@ class OutputSlots:
         needs_backward = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
         if needs_backward is not None:
             needs_backward.register_prehook(lambda grads: setattr(slot, "pending", False))
-        memories: dict[int, torch.Tensor] = {}
-        for output in outputs:
-            memories.setdefault(output.untyped_storage().data_ptr(), output)
-        slot.kept = tuple(t.detach() for t in memories.values())
-        returned = [sum(o.untyped_storage().data_ptr() == ptr for o in outputs) for ptr in memories]
-        slot.users = tuple(compat.storage_users(t) - n for t, n in zip(slot.kept, returned, strict=True))
+        memories = [output.untyped_storage().data_ptr() for output in outputs]
+        one_each = dict(zip(memories, outputs))  # an output per memory
+        slot.kept = tuple(output.detach() for output in one_each.values())
+        slot.users = tuple(compat.storage_users(kept) - memories.count(memory)
+                           for memory, kept in zip(one_each, slot.kept))  # fmt: skip
 
     def forget(self) -> None:
         """The graphs were dropped: no slot is pending, nothing is counted."""

@@ -132,3 +132,23 @@ def test_outputs_used_within_their_step_keep_the_graph():
         for got, expected in zip(net.parameters(), twin.parameters()):
             torch.testing.assert_close(got.grad, expected.grad)
     assert graphed.captured and graphed.replays == 4
+
+
+def test_outputs_sharing_memory_are_counted_once_each_and_held_only_when_kept():
+    slots = graph_slots.OutputSlots()
+    key = ("call", 0)
+
+    def replay(keep: list) -> None:
+        base = torch.ones(4) * 2  # a model returning its logits and a view of them
+        slots.replayed(key, (base, base[:2]))
+        keep.append(base[:1])
+
+    replay([])
+    slots.begin_step()
+    assert not slots.held(key)
+    kept: list = []
+    replay(kept)
+    slots.begin_step()
+    assert slots.held(key)
+    slots.replayed(key, (torch.ones(1),))
+    assert not slots.held(key)  # replayed in this step already: only a step's first replay looks
