@@ -18,6 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import lightning_fuse
 from lightning_fuse import FuseCallback
+from lightning_fuse.graphs import GraphedModule
 from lightning_fuse.optimizer_graph import OptimizerGraph
 from lightning_fuse.optimizer_trial import EAGER, GRAPH
 from tests.toy import RecordingTask, trainer
@@ -179,3 +180,13 @@ def grad_buffer_capture(flat, tensors, num_warmup_iters):
             return (None,) * len(tensors) + tuple(buffer.detach() for buffer in buffers)
 
     return lambda *inputs: Replay.apply(*inputs, *params)
+
+
+def graphed_with_twin(net: torch.nn.Module, capture) -> tuple[torch.nn.Module, GraphedModule]:
+    """``net`` routed through an installed GraphedModule whose capture is ``capture`` (faked on CPU), free to
+    capture at its next call, and an eager twin from the same start: ``twin, graphed``."""
+    twin = copy.deepcopy(net)
+    graphed = GraphedModule("net", net, capture=capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    return twin, graphed

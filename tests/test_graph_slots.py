@@ -8,16 +8,15 @@ activations twice, and its loss rose where eager's fell.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from lightning_fuse import graph_slots
-from lightning_fuse.graphs import HELD, GraphedModule
+from lightning_fuse.graphs import HELD
 from lightning_fuse.replay import Replay
+from tests.faults import graphed_with_twin
 
 
 def one_memory_capture(flat, tensors, num_warmup_iters):
@@ -57,11 +56,7 @@ def graphed_twins():
     """A network whose calls replay through a graph of :func:`one_memory_capture`, and its eager twin."""
     torch.manual_seed(0)
     net = Net()
-    twin = copy.deepcopy(net)
-    graphed = GraphedModule("net", net, capture=one_memory_capture, on_device=lambda t: True)
-    graphed.install()
-    graphed.capture_allowed = True
-    return net, twin, graphed
+    return net, *graphed_with_twin(net, one_memory_capture)
 
 
 def views_step(model, x, views: int) -> torch.Tensor:

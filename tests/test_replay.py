@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from lightning_fuse import replay
-from lightning_fuse.graphs import GraphedModule
 from lightning_fuse.optimizer_graph import cuda_capture
 from lightning_fuse.replay import Replay, accumulate, writes_gradients_itself
+from tests.faults import graphed_with_twin
 
 
 class Net(nn.Module):
@@ -205,10 +205,7 @@ def test_through_graphed_module_kept_gradients_are_never_overwritten_by_the_next
     replay writing the gradients itself, they still train as eager."""
     torch.manual_seed(0)
     net = Net()
-    twin = copy.deepcopy(net)
-    graphed = GraphedModule("net", net, capture=closure_capture, on_device=lambda t: True)
-    graphed.install()
-    graphed.capture_allowed = True
+    twin, graphed = graphed_with_twin(net, closure_capture)
     ids = torch.arange(3)
     for i in range(4):
         graphed.grads_zeroed_after_forward = zero == "after_forward" and graphed.captured
