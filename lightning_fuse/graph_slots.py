@@ -5,9 +5,11 @@ Two calls of one signature in a training step before their backward (two augment
 consistency loss, as FixMatch or SimCLR train; a siamese network) each need theirs until then: the second replay
 of one graph overwrote the first's, so the first call's loss and gradients were the second's (on an H200 a FixMatch
 step's loss rose from 2.6 to 7.4 where eager's fell). Each such call takes a graph of its own, a *slot* (at most
-:data:`SLOTS` per signature), or runs without one. Outputs kept past their step (``self.outputs.append(logits)``,
-Lightning's way to an epoch-end metric) would be overwritten by the next step's replay: the number of tensors that
-share their memory tells, and :class:`~lightning_fuse.graphs.GraphedModule` runs without its graph from then on.
+:data:`SLOTS` per signature), or runs without one; so does a call after another's backward in the same step while
+what the other returned is still held (manual optimization a chunk at a time, keeping each chunk's outputs).
+Outputs kept past their step (``self.outputs.append(logits)``, Lightning's way to an epoch-end metric) would be
+overwritten by the next step's replay: the number of tensors that share their memory tells, and
+:class:`~lightning_fuse.graphs.GraphedModule` runs without its graph from then on.
 
 Example::
 
@@ -16,7 +18,7 @@ Example::
     >>> out = torch.ones(2, requires_grad=True) * 2
     >>> slots.free("call"), slots.replayed(("call", 0), (out,)), slots.free("call")
     (('call', 0), None, ('call', 1))
-    >>> out.sum().backward()  # the first replay's backward ran: its slot is free again
+    >>> out.sum().backward(); del out  # its backward came, and nothing holds what it returned
     >>> slots.free("call")
     ('call', 0)
 """
@@ -70,19 +72,19 @@ class OutputSlots:
             slot.pending, slot.fresh = False, True
 
     def free(self, signature: Hashable) -> tuple[Hashable, int] | None:
-        """The key of the first slot of ``signature`` not awaiting its backward; ``None`` when all are."""
+        """The key of the first slot of ``signature`` whose last outputs are no longer needed: not replayed yet in
+        this step, or replayed, its backward come and its outputs held by nothing (a loop that calls the network and
+        its backward a chunk at a time, keeping what each call returned); ``None`` when every slot's are needed."""
         for index in range(SLOTS):
             slot = self._slots.get((signature, index))
-            if slot is None or not slot.pending:
+            if slot is None or slot.fresh or not (slot.pending or _outputs_held(slot)):
                 return signature, index
         return None
 
     def held(self, key: Hashable) -> bool:
-        """Whether, at its first replay in this step, the slot's last outputs are still held elsewhere."""
+        """Whether, at its first replay in this step, the slot's last outputs (the last step's) are still held."""
         slot = self._slots.get(key)
-        if slot is None or not slot.fresh:
-            return False
-        return any(compat.storage_users(t) > users for t, users in zip(slot.kept, slot.users, strict=True))
+        return slot is not None and slot.fresh and _outputs_held(slot)
 
     def replayed(self, key: Hashable, outputs: Sequence[torch.Tensor]) -> None:
         """The slot just replayed, returning ``outputs``: pending until their backward, and counted."""
@@ -100,3 +102,8 @@ class OutputSlots:
     def forget(self) -> None:
         """The graphs were dropped: no slot is pending, nothing is counted."""
         self._slots.clear()
+
+
+def _outputs_held(slot: _Slot) -> bool:
+    """Whether more tensors share the slot's last outputs' memory than when its call returned them."""
+    return any(compat.storage_users(kept) > users for kept, users in zip(slot.kept, slot.users, strict=True))

@@ -39,7 +39,7 @@ from torch import nn
 
 from lightning_fuse import compat, replay
 from lightning_fuse.compiler import PLAIN, describe_error, forced_eager
-from lightning_fuse.graph_slots import OutputSlots
+from lightning_fuse.graph_slots import SLOTS, OutputSlots
 from lightning_fuse.held_gradients import own_kept_gradients, own_kept_gradients_before_backward
 from lightning_fuse.host_syncs import host_syncs_raise
 from lightning_fuse.regions import has_params, is_metric
@@ -215,7 +215,7 @@ class GraphedModule:
         self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # ((call, trainable set), slot) -> (adapter, replay)
         self._slots = OutputSlots()
         self._params = list(module.parameters())
-        self._said_trainable = False
+        self._said: set[str] = set()  # the info lines said once
         self._replacements_left = SET_REPLACEMENTS
         self._calls = 0
         self._last_call: dict[tuple, int] = {}  # set of trainable parameters -> the last call with it
@@ -289,7 +289,10 @@ class GraphedModule:
         self._calls += 1
         self._last_call[signature[1]] = self._calls
         key = self._slots.free(signature)
-        if key is None:  # each graph of this call awaits its backward: a third view of the batch runs without one
+        if key is None:  # each graph's last outputs are still needed: a third view of the batch, say
+            self._say_once("busy", f"FuseCallback: {self.name!r} was called while the last outputs of each of its "
+                           f"{SLOTS} graphs for the call were still needed (awaiting their backward, or kept): such "
+                           "calls run without a graph.")
             return self.run_inner(*args, **kwargs)
         if key in self._graphs and self._slots.held(key):
             self.disable(HELD)
@@ -337,11 +340,15 @@ class GraphedModule:
     def _say_if_trainable_changed(self, signature: tuple) -> None:
         """Once: a call like a captured one but with a set of trainable parameters the graphs no longer follow
         runs without a graph."""
-        if not self._said_trainable and any(call == signature[0] for (call, _), _ in self._graphs):
-            self._said_trainable = True
-            rank_zero_info(f"FuseCallback: the parameters that train in {self.name!r} changed (a layer frozen or "
-                           f"unfrozen) more often than its CUDA graphs follow ({TRAINABLE_SETS} sets at once, "
-                           f"{SET_REPLACEMENTS} replaced): calls with a new set run without a graph.")  # fmt: skip
+        if any(call == signature[0] for (call, _), _ in self._graphs):
+            self._say_once("trainable", f"FuseCallback: the parameters that train in {self.name!r} changed (a layer "
+                           f"frozen or unfrozen) more often than its CUDA graphs follow ({TRAINABLE_SETS} sets at "
+                           f"once, {SET_REPLACEMENTS} replaced): calls with a new set run without a graph.")
+
+    def _say_once(self, key: str, message: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            rank_zero_info(message)
 
     def run_inner(self, *args: Any, **kwargs: Any) -> Any:
         """The module as it runs without the graph: its compiled call if it is a region, else its plain call."""

@@ -147,3 +147,32 @@ def test_outputs_sharing_memory_are_counted_once_each_and_held_only_when_kept():
     assert slots.held(key)
     slots.replayed(key, (torch.ones(1),))
     assert not slots.held(key)  # replayed in this step already: only a step's first replay looks
+
+
+def chunked_step(model, chunks, keep: list, copies: bool) -> None:
+    """Manual optimization a chunk at a time: each chunk's call and its backward, what it returned kept in ``keep``
+    (or copies of it)."""
+    model.zero_grad(set_to_none=True)
+    for chunk in chunks:
+        out = model(chunk)
+        out.pow(2).mean().backward()
+        keep.append(out.detach().clone() if copies else out.detach())
+
+
+@pytest.mark.parametrize("copies", [False, True])
+def test_a_call_after_its_own_backward_never_writes_over_outputs_still_held_in_the_step(copies, caplog):
+    net, twin, graphed = graphed_twins()
+    for step in range(2):
+        chunks = list(torch.randn(4, 3, 6))
+        graphed.begin_step(grads_zeroed_after_forward=False)
+        got, want = [], []
+        chunked_step(net, chunks, got, copies)
+        chunked_step(twin, chunks, want, copies)
+        torch.testing.assert_close(torch.stack(got), torch.stack(want))
+        for a, b in zip(net.parameters(), twin.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+        del got
+    if copies:  # the loop's variable alone holds a call's outputs at the next call: the two slots take turns
+        assert graphed.replays == 8 and graphed.graphs == 2 and "still needed" not in caplog.text
+    else:  # once both slots' outputs are kept, calls run without a graph, said once
+        assert graphed.replays == 4 and caplog.text.count("still needed") == 1
