@@ -10,6 +10,7 @@ A change in the middle of an epoch is not watched.
 
 Example::
 
+    >>> import torch
     >>> net = torch.nn.Linear(2, 2)
     >>> watch = StateWatch(net)
     >>> watch.changed()
@@ -23,8 +24,9 @@ from __future__ import annotations
 
 from itertools import chain
 
-import torch
 from torch import nn
+
+from lightning_fuse.sharding import local_shard
 
 
 def state_of(module: nn.Module) -> tuple[tuple[str, int], ...]:
@@ -32,17 +34,11 @@ def state_of(module: nn.Module) -> tuple[tuple[str, int], ...]:
 
     Example::
 
-        >>> [name for name, _ in state_of(torch.nn.BatchNorm1d(2))]
+        >>> [name for name, _ in state_of(nn.BatchNorm1d(2))]
         ['weight', 'bias', 'running_mean', 'running_var', 'num_batches_tracked']
     """
-    return tuple((name, _local(tensor).data_ptr())
+    return tuple((name, local_shard(tensor).data_ptr())
                  for name, tensor in chain(module.named_parameters(), module.named_buffers()))  # fmt: skip
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's own shard of a DTensor (FSDP2), the tensor itself otherwise."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 class StateWatch:
@@ -50,6 +46,7 @@ class StateWatch:
 
     Example::
 
+        >>> import torch
         >>> net = torch.nn.Linear(2, 2)
         >>> watch = StateWatch(net)
         >>> net.register_buffer("mask", torch.ones(2, 2)); watch.changed()
