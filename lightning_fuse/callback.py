@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_fuse.choice import Training, activate_plan, share_optimizer_verdict
-from lightning_fuse.fit import FitState
+from lightning_fuse.fit import OUTPUTS_HELD, FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
 from lightning_fuse.options import AUTO, RECOMPILE_LIMIT, REFERENCE_BUDGET, DimSpec, FuseOptions, Target
 from lightning_fuse.shapes import CompileTracker, DynamicDims
@@ -219,6 +219,8 @@ class FuseCallback(Callback):
         # Lightning steps the optimizer after every accumulate_grad_batches-th batch (and an epoch's last): an
         # iteration starts at the batch after
         iteration_start = batch_idx % trainer.accumulate_grad_batches == 0
+        if iteration_start:
+            self._end_trees_holding_outputs(trainer)
         # and zeroes the gradients then, between the training step's forward and its backward
         zeroed_after_forward = iteration_start and pl_module.automatic_optimization
         fit.begin_step(batch, batch_idx, self.options.length_fn, iteration_start, zeroed_after_forward)
@@ -307,6 +309,21 @@ class FuseCallback(Callback):
                "no faster than eager or they were half of it)" if compiles_counted
                else "(mean step, compiling steps and the slowest tenth left out)")
         self._drop_plan_below_margin(speedup, f"{where} {how}", trainer.current_epoch)
+
+    def _end_trees_holding_outputs(self, trainer: pl.Trainer) -> None:
+        """torch's cudagraph trees free a training step's outputs when the next step begins (reading them then
+        fails). Where the last step's are still held, before this step begins: the plan hands over to the same
+        compile without graphs (:meth:`~lightning_fuse.fit.FitState.hand_over`), or, with no such candidate (a
+        forced mode), is dropped. Each rank decides by itself: it is its own outputs that its training step held."""
+        fit = self.fit
+        if fit.plan is None or not fit.plan.outputs_held:
+            return
+        successor = fit.graphless_candidate()
+        if successor is not None:
+            fit.hand_over(successor, OUTPUTS_HELD, store=trainer.is_global_zero)
+        else:
+            fit.drop_plan(f"torch's CUDA graphs under it {OUTPUTS_HELD.what}. Keep copies (`.detach().clone()`) to "
+                          "keep them, or use mode='default'", trainer.current_epoch)  # fmt: skip
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone

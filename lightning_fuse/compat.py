@@ -111,6 +111,7 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._foreach_add_", "adding a replayed backward's gradients to those held, in one launch"),
         PrivateAPI("torch._C._cuda_clearCublasWorkspaces", "private cuBLAS workspaces per CUDA graph", required=False),
         PrivateAPI("torch._C._storage_Use_Count", "telling whether a CUDA graph's last outputs are still held"),
+        PrivateAPI("torch.multiprocessing.reductions.StorageWeakRef", "watching graph outputs without holding them"),
         *(PrivateAPI(f"torch.Tensor.{name}", "telling whether anything watches a parameter's gradient arrive",
                      required=False) for name in ("_backward_hooks", "_post_accumulate_grad_hooks")),
         *(PrivateAPI(f"torch.optim.optimizer.{name}", "telling a captured optimizer update from one with step hooks",
@@ -305,8 +306,7 @@ def _check_compiled_call_impl() -> None:
     """Once per process (again after a failure): the slot exists and ``Module.__call__`` really calls what is
     installed there."""
     path = "torch.nn.Module._compiled_call_impl"
-    _get(path)
-    _get("torch.nn.Module._call_impl")
+    _get(path), _get("torch.nn.Module._call_impl")
     probe, marker = nn.Identity(), object()
     probe._compiled_call_impl = lambda *args, **kwargs: marker
     if probe(0) is not marker:
@@ -905,17 +905,31 @@ def clear_cublas_workspaces() -> None:
     _get("torch._C._cuda_clearCublasWorkspaces")()
 
 
-def storage_users(tensor: torch.Tensor) -> int:
-    """How many tensors share ``tensor``'s memory: itself, its views and detached aliases.
+def memory_of(tensor: torch.Tensor) -> Any:
+    """A weak reference to ``tensor``'s memory, for :func:`storage_users`: it keeps nothing alive.
 
-    Why private: torch has no public count of a storage's users; its cudagraph trees read
-    ``torch._C._storage_Use_Count`` to tell whether a graph's output is still held, and so does
-    :mod:`~lightning_fuse.graph_slots`.
+    Why private: torch's cudagraph trees watch their outputs' memory through
+    ``torch.multiprocessing.reductions.StorageWeakRef``, which torch does not document.
 
     Example::
 
         >>> base = torch.zeros(4)
-        >>> storage_users(base), storage_users(base[:2])
-        (1, 2)
+        >>> memory = memory_of(base)
+        >>> alone = storage_users(memory)
+        >>> half = base[:2]; storage_users(memory) - alone  # a view shares it
+        1
+        >>> del base, half; storage_users(memory)
+        0
     """
-    return _get("torch._C._storage_Use_Count")(tensor.untyped_storage()._cdata) - 1  # less the storage object here
+    return _get("torch.multiprocessing.reductions.StorageWeakRef")(tensor.untyped_storage())
+
+
+def storage_users(memory: Any) -> int:
+    """How many tensors share the memory that ``memory`` (:func:`memory_of`) refers to (and torch's Python handle on
+    it, once made): ``0`` once it is freed.
+
+    Why private: torch has no public count of a storage's users; its cudagraph trees read
+    ``torch._C._storage_Use_Count`` to tell whether a graph's output is still held, and so does
+    :mod:`~lightning_fuse.held_outputs`.
+    """
+    return _get("torch._C._storage_Use_Count")(memory.cdata)

@@ -40,6 +40,26 @@ if TYPE_CHECKING:
     from lightning_fuse.optimizer_graph import OptimizerGraph
 
 
+@dataclass(frozen=True)
+class Handover:
+    """Why a plan under torch's cudagraph trees hands over to the same compile without them
+    (:meth:`FitState.hand_over`): what the trees met, the plan's reason in the verdict, what the user can do."""
+
+    what: str
+    reason: str
+    advice: str
+
+
+SIZES_FULL = Handover(
+    "met more input sizes than one fit records graphs for, and sizes without a graph run slower than compiled code "
+    "alone", "its graphs reached their cap of sizes",
+    "Pad the lengths to a few sizes with `pad_buckets` to keep every step in a graph.")
+OUTPUTS_HELD = Handover(
+    "free a step's outputs when the next step begins, and this fit keeps its steps' outputs (for an epoch-end "
+    "metric, say), which reading would then fail", "its steps' outputs were kept past the step",
+    "Keep copies (`.detach().clone()`) to keep the graphs.")
+
+
 @dataclass
 class FitState:
     """Everything one fit of FuseCallback learns; a new one at every fit start
@@ -341,24 +361,28 @@ class FitState:
 
     def graphless_successor(self) -> str | None:
         """Where torch's cudagraph trees under the plan met more sizes than they record, the candidate that compiles
-        the same without CUDA graphs (:data:`~lightning_fuse.plan.WITHOUT_GRAPHS`), else ``None``."""
-        names = WITHOUT_GRAPHS.get(self.plan_name(), ()) if self.plan is not None and self.plan.sizes_full else ()
+        the same without CUDA graphs (:meth:`graphless_candidate`), else ``None``."""
+        return self.graphless_candidate() if self.plan is not None and self.plan.sizes_full else None
+
+    def graphless_candidate(self) -> str | None:
+        """The fit's candidate that compiles what the plan does without torch's cudagraph trees
+        (:data:`~lightning_fuse.plan.WITHOUT_GRAPHS`); ``None`` where the plan runs no trees or none was made."""
+        names = WITHOUT_GRAPHS.get(self.plan_name(), ())
         return next((name for name in names if self.candidate(name) is not None), None)
 
-    def hand_over(self, successor: str, store: bool = True) -> None:
-        """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_successor`), its
-        optimizers' graphs kept; one line says why. With ``store`` (rank zero's), the cached decision names
+    def hand_over(self, successor: str, why: Handover = SIZES_FULL, store: bool = True) -> None:
+        """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_candidate`), its
+        optimizers' graphs kept; one line says ``why``. With ``store`` (rank zero's), the cached decision names
         ``successor`` from now on (:meth:`~lightning_fuse.decision.Decision.handed_over`): the next run on the same
-        inputs starts there, rather than record graphs for sizes again and recompile when it hands over."""
+        inputs starts there, rather than record graphs again and recompile when it hands over."""
         previous, plan = self.plan_name(), self.candidate(successor)
-        rank_zero_info(f"FuseCallback: torch's CUDA graphs under {previous!r} met more input sizes than one fit "
-                       "records graphs for, and sizes without a graph run slower than compiled code alone: from "
-                       f"step {self.steps} the fit runs {successor!r}, the same compile without graphs (compiled now, "
-                       "once). Pad the lengths to a few sizes with `pad_buckets` to keep every step in a graph.")
+        rank_zero_info(f"FuseCallback: torch's CUDA graphs under {previous!r} {why.what}: from step {self.steps} "
+                       f"the fit runs {successor!r}, the same compile without graphs (compiled now, once). "
+                       f"{why.advice}")
         self.fallbacks.update(self.plan_fallbacks())
         self.plan.uninstall()
         self.plan.release()
-        plan.reason = f"handed over from {previous!r} at step {self.steps}: its graphs reached their cap of sizes"
+        plan.reason = f"handed over from {previous!r} at step {self.steps}: {why.reason}"
         plan.install()
         self.plan = plan
         if store and self.decision is not None and self.decision_file is not None:

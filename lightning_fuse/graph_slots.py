@@ -8,7 +8,7 @@ step's loss rose from 2.6 to 7.4 where eager's fell). Each such call takes a gra
 :data:`SLOTS` per signature), or runs without one; so does a call after another's backward in the same step while
 what the other returned is still held (manual optimization a chunk at a time, keeping each chunk's outputs).
 Outputs kept past their step (``self.outputs.append(logits)``, Lightning's way to an epoch-end metric) would be
-overwritten by the next step's replay: the number of tensors that share their memory tells, and
+overwritten by the next step's replay: :mod:`~lightning_fuse.held_outputs` tells, and
 :class:`~lightning_fuse.graphs.GraphedModule` runs without its graph from then on.
 
 Example::
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_fuse import compat
+from lightning_fuse.held_outputs import Returned
 
 SLOTS = 2
 """Graphs per call signature for calls whose replays await their backward together (two views of a batch)."""
@@ -42,10 +42,8 @@ class _Slot:
     """Replayed, its backward still to come (until the step ends)."""
     fresh: bool = True
     """Not replayed yet in this step."""
-    kept: tuple[torch.Tensor, ...] = ()
-    """An alias of each of the last replay's output memories."""
-    users: tuple[int, ...] = ()
-    """How many tensors shared each of them once the call had returned, the call's own outputs not counted."""
+    returned: Returned | None = None
+    """The last replay's outputs, counted."""
 
 
 class OutputSlots:
@@ -93,11 +91,7 @@ class OutputSlots:
         needs_backward = next((o.grad_fn for o in outputs if o.grad_fn is not None), None)
         if needs_backward is not None:
             needs_backward.register_prehook(lambda grads: setattr(slot, "pending", False))
-        memories = [output.untyped_storage().data_ptr() for output in outputs]
-        one_each = dict(zip(memories, outputs))  # an output per memory
-        slot.kept = tuple(output.detach() for output in one_each.values())
-        slot.users = tuple(compat.storage_users(kept) - memories.count(memory)
-                           for memory, kept in zip(one_each, slot.kept))  # fmt: skip
+        slot.returned = Returned.of(outputs)
 
     def forget(self) -> None:
         """The graphs were dropped: no slot is pending, nothing is counted."""
@@ -106,4 +100,4 @@ class OutputSlots:
 
 def _outputs_held(slot: _Slot) -> bool:
     """Whether more tensors share the slot's last outputs' memory than when its call returned them."""
-    return any(compat.storage_users(kept) > users for kept, users in zip(slot.kept, slot.users, strict=True))
+    return slot.returned is not None and slot.returned.held()

@@ -41,6 +41,7 @@ from lightning_fuse.compiler import (
     uncompile_regions,
 )
 from lightning_fuse.graphs import GraphedModule, graph_target
+from lightning_fuse.held_outputs import OutputWatch
 from lightning_fuse.host_syncs import syncs_between_regions, syncs_when_compiled
 from lightning_fuse.options import AUTO, GRAPHING_MODES, FuseOptions
 from lightning_fuse.regions import Region, resolve_regions
@@ -181,6 +182,12 @@ class Plan:
         return False
 
     @property
+    def outputs_held(self) -> bool:
+        """Whether an output of torch's cudagraph trees under this plan, from its last training iteration, is still
+        held (:mod:`~lightning_fuse.held_outputs`): the next :meth:`step_begin` would free it."""
+        return False
+
+    @property
     def compiled_regions(self) -> list[str]:
         return []
 
@@ -223,6 +230,10 @@ class Regions(Plan):
         if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
             options = replace(options, dynamic=False)
         self._runners = [CompiledRegion(region, options, setting.tracker, setting.policy) for region in setting.regions]
+        self.watch = OutputWatch() if self.cudagraph_trees else None
+        """What the trees' training calls returned since the iteration began: the next one's start frees it."""
+        for runner in self._runners:
+            runner.on_return = self.watch
         name, module = setting.target
         self.graph = GraphedModule(name, module, compiles=lambda: setting.tracker.total_compiles,
                                    max_graphs=setting.max_graphs) if graph else None  # fmt: skip
@@ -237,6 +248,8 @@ class Regions(Plan):
     def install(self) -> None:
         for runner in self._runners:
             runner.install()
+        if self.watch is not None:
+            self.watch.clear()  # the search's trial calls are not the fit's
         if self._tree_sizes is not None and self._restore_tree_sizes is None:
             self._restore_tree_sizes = compat.cap_cudagraph_sizes(self._tree_sizes)
         if self.graph is not None:
@@ -257,6 +270,8 @@ class Regions(Plan):
             # Not between micro-batches: their gradients, outputs of the trees' backward, are still being summed
             # (marking each one fails with "accessing tensor output of CUDAGraphs that has been overwritten")
             torch.compiler.cudagraph_mark_step_begin()
+        if self.watch is not None:
+            self.watch.clear()
 
     def release(self) -> None:
         if self.graph is not None:
@@ -273,6 +288,10 @@ class Regions(Plan):
     @property
     def sizes_full(self) -> bool:
         return self._tree_sizes is not None and self._tree_sizes.refused > 0
+
+    @property
+    def outputs_held(self) -> bool:
+        return self.watch is not None and self.watch.held()
 
     @property
     def compiled_regions(self) -> list[str]:

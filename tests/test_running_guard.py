@@ -219,14 +219,14 @@ class FakeClock:
         return self.now
 
 
-def regions_win_on_a_fake_clock(monkeypatch) -> FakeClock:
-    """The search picks ``regions`` (its forward+backward pinned at 1 ms, every other plan's at 10 ms), and the
+def regions_win_on_a_fake_clock(monkeypatch, winner: str = "regions") -> FakeClock:
+    """The search picks ``winner`` (its forward+backward pinned at 1 ms, every other plan's at 10 ms), and the
     running guard reads the returned clock."""
     clock, plain_init = FakeClock(), RunningGuard.__init__
 
     def pinned_time(self, plan, call):
         call()
-        return [1.0 if plan.name == "regions" else 10.0] * TIMED_CALLS
+        return [1.0 if plan.name == winner else 10.0] * TIMED_CALLS
 
     monkeypatch.setattr(PlanSearch, "_time", pinned_time)
     monkeypatch.setattr(RunningGuard, "__init__", lambda self, window=None: plain_init(self, window, clock))
