@@ -76,7 +76,8 @@ def test_outputs_kept_past_their_step_hand_the_plan_over_before_the_next_step_fr
     assert handed == 13, "at the start of the step after the first that kept its outputs (step 12)"
     assert set(probe.plans[fuse.fit.activation_step:handed]) == {"compile"}
     assert set(probe.plans[handed:]) == {"regions"}
-    assert fuse.plan.reason == f"handed over from 'compile' at step {handed}: its steps' outputs were kept past the step"
+    kept_past = "its steps' outputs were kept past the step"
+    assert fuse.plan.reason == f"handed over from 'compile' at step {handed}: {kept_past}"
     assert caplog.text.count("free a step's outputs when the next step begins") == 1
     assert "Keep copies (`.detach().clone()`) to keep the graphs." in caplog.text
     assert fuse.fit.dropped is None and len(task.metric) == 2, "the epochs' ends read what they kept"
