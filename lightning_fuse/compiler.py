@@ -197,9 +197,9 @@ class CompiledRegion:
         self._made_dynamic = False
         self._recompiles_allowed = policy.recompile_limit
         self._installed = False
-        self.on_return: Callable[[Any], None] | None = None
-        """Called with what each call that trains returned (a plan under torch's cudagraph trees watches them:
-        :class:`~lightning_fuse.held_outputs.OutputWatch`)."""
+        self.on_return: Callable[[Any], Any] | None = None
+        """Called with what each call that trains returned, which it returns in its stead (a plan under torch's
+        cudagraph trees watches them: :class:`~lightning_fuse.held_outputs.OutputWatch`)."""
 
     @property
     def name(self) -> str:
@@ -250,7 +250,7 @@ class CompiledRegion:
         if self.tracker.total_compiles != before:
             self._check_recompiles()
         if self.on_return is not None and torch.is_grad_enabled() and not forced_eager():
-            self.on_return(out)
+            return self.on_return(out)
         return out
 
     def _tracked(self, mode: ModeKey) -> AbstractContextManager[None]:

@@ -12,7 +12,7 @@ Example::
     >>> import torch
     >>> watch = OutputWatch()
     >>> logits = torch.ones(2, 3) * 2
-    >>> watch({"logits": logits})  # a call returned it
+    >>> logits = watch({"logits": logits})["logits"]  # a call returned it
     >>> kept = [logits.detach()]; del logits  # the step keeps its output
     >>> watch.held()
     True
@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,42 +34,56 @@ from lightning_fuse import compat
 
 @dataclass(frozen=True)
 class Returned:
-    """The memories of a call's outputs, and how many tensors shared each once the call had returned, the call's
-    own outputs not counted: any more later, and something holds them."""
+    """A call's outputs as it returned them: each output memory (weakly), the tensors of ours that share it
+    (weakly: what the call returned, and what that was made from), and how many other tensors shared it then.
+
+    Held: a returned tensor is still alive, or more tensors other than ours share a memory than then."""
 
     memories: tuple[Any, ...]
-    users: tuple[int, ...]
+    ours: tuple[tuple[weakref.ref, ...], ...]
+    returned: tuple[weakref.ref, ...]
+    others: tuple[int, ...]
 
     @classmethod
-    def of(cls, outputs: Sequence[torch.Tensor]) -> Returned:
-        """Counted as ``outputs`` are returned (the caller still holds them: they are not counted)."""
-        pointers = [output.untyped_storage().data_ptr() for output in outputs]
-        one_each = dict(zip(pointers, outputs))  # an output per memory
-        memories = tuple(compat.memory_of(output) for output in one_each.values())
-        users = tuple(compat.storage_users(memory) - pointers.count(pointer)
-                      for pointer, memory in zip(one_each, memories))  # fmt: skip
-        return cls(memories, users)
+    def of(cls, outputs: Sequence[torch.Tensor], made_from: Sequence[torch.Tensor] = ()) -> Returned:
+        """Counted as ``outputs`` are returned (``made_from``: the tensors they alias, which die with them)."""
+        groups: dict[int, list[torch.Tensor]] = {}
+        for tensor in (*outputs, *made_from):
+            groups.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
+        memories = tuple(compat.memory_of(group[0]) for group in groups.values())
+        others = tuple(compat.storage_users(memory) - len(group) for memory, group in zip(memories, groups.values()))
+        ours = tuple(tuple(weakref.ref(tensor) for tensor in group) for group in groups.values())
+        return cls(memories, ours, tuple(weakref.ref(output) for output in outputs), others)
 
     def held(self) -> bool:
-        """Whether more tensors share an output's memory than when the call returned it."""
-        return any(compat.storage_users(memory) > users for memory, users in zip(self.memories, self.users,
-                                                                                 strict=True))  # fmt: skip
+        if any(output() is not None for output in self.returned):
+            return True
+        return any(compat.storage_users(memory) - sum(ref() is not None for ref in ours) > others
+                   for memory, ours, others in zip(self.memories, self.ours, self.others, strict=True))  # fmt: skip
 
 
 @dataclass
 class OutputWatch:
-    """The outputs of a training iteration's calls, counted as each call returns them (called with what it
-    returned, any structure): whether one is still held when the next iteration begins (:meth:`held`), before it
-    is :meth:`clear`-ed."""
+    """The outputs of a training iteration's calls, counted as each call returns them: whether one is still held
+    when the next iteration begins (:meth:`held`), before it is :meth:`clear`-ed.
+
+    Called with what a call returned (any structure), it returns the same with each tensor a view of its own:
+    torch's cudagraph trees hand back, replay after replay, output tensors they keep themselves, so only a tensor
+    that the caller alone holds tells when the caller lets go of it."""
 
     returned: list[Returned] = field(default_factory=list)
 
-    def __call__(self, outputs: Any) -> None:
-        self.returned.append(Returned.of([leaf for leaf in compat.tree_leaves(outputs)
-                                          if isinstance(leaf, torch.Tensor)]))  # fmt: skip
+    def __call__(self, outputs: Any) -> Any:
+        own = compat.tree_map(lambda leaf: leaf.view_as(leaf) if isinstance(leaf, torch.Tensor) else leaf, outputs)
+        self.returned.append(Returned.of(_tensors(own), made_from=_tensors(outputs)))
+        return own
 
     def held(self) -> bool:
         return any(returned.held() for returned in self.returned)
 
     def clear(self) -> None:
         self.returned.clear()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in compat.tree_leaves(tree) if isinstance(leaf, torch.Tensor)]

@@ -97,3 +97,19 @@ def test_with_no_candidate_without_the_trees_the_plan_is_dropped_and_says_what_k
     assert probe.plans[12] == "compile" and set(probe.plans[13:]) == {"eager"}, "dropped before step 13 began"
     assert "keeps its steps' outputs" in fuse.fit.dropped and "mode='default'" in fuse.fit.dropped
     assert len(task.metric) == 2
+
+
+def test_output_tensors_the_graphs_keep_themselves_are_held_only_while_the_caller_holds_what_it_was_given():
+    """torch's trees hand back, replay after replay, output tensors they keep (their cached outputs): counted as
+    they are, every replay's outputs read as held at the next step (on an H200 every plan under the trees handed
+    over at its first step, nothing kept). The watch hands the caller views of its own, and counts those."""
+    cached = torch.ones(2, 3, requires_grad=True) * 2  # the graphs' own output tensor, kept across replays
+    watch = OutputWatch()
+    out = watch((cached,))[0]
+    assert out is not cached and out.data_ptr() == cached.data_ptr() and out.grad_fn is not None
+    del out
+    assert not watch.held()
+    kept = watch((cached,))[0].detach()
+    assert watch.held()
+    del kept
+    assert not watch.held()
