@@ -215,7 +215,7 @@ class OptimizerGraph:
     def _step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The optimizer's ``step``: the closure (forward, backward, clipping), then the update."""
         self._time_trial()
-        loss, self._pending_clip = None, None  # none left by a closure that raised
+        loss, self._pending_clip, own_step = None, None, self._previous_step  # no clip left by a closure that raised
         if closure is not None:
             self._in_closure = self.enabled and self.disabled_reason is None
             try:
@@ -223,7 +223,7 @@ class OptimizerGraph:
                     loss = closure()
             finally:
                 self._in_closure = False
-        mode = self._update()
+        mode = self._update(own_step)
         if mode == GRAPH:
             compat.mark_optimizer_stepped(self.optimizer)  # as the LR scheduler's wrapper of step would
         self._last_mode = mode if self.enabled else None
@@ -236,12 +236,14 @@ class OptimizerGraph:
             self._pending_clip = (key, clip)
         return self._in_closure
 
-    def _update(self) -> str:
-        """One update (the clipping taken from the closure first), replayed where it may be; returns how it ran."""
+    def _update(self, own_step: Callable[..., Any]) -> str:
+        """One update (the clipping taken from the closure first), replayed where it may be; returns how it ran.
+        ``own_step``: the optimizer's, where the closure uninstalled the graph (a backward failed, the plan was
+        dropped: found on an H200, where the step went on to call the replaced ``step``, gone, and the run ended)."""
         key, clip = self._pending_clip or (None, None)
         self._pending_clip = None
-        if not self.enabled or self.disabled_reason is not None or not self.trial.wants_graph():
-            return self._eager_update(clip)
+        if not (self._previous_step and self.enabled and self.trial.wants_graph()) or self.disabled_reason is not None:
+            return self._eager_update(clip, own_step)
         if not self._still_captured_state() or (self.captured and key != self._captured_clip):
             return self._eager_update(clip)
         if not self._warm:
@@ -259,11 +261,12 @@ class OptimizerGraph:
         self.replays += 1
         return GRAPH
 
-    def _eager_update(self, clip: Callable[[], None] | None) -> str:
-        """The optimizer's own update, as the user configured it (:mod:`~lightning_fuse.step_counters`)."""
+    def _eager_update(self, clip: Callable[[], None] | None, step: Callable[..., Any] | None = None) -> str:
+        """The optimizer's own update (``step``, else the one replaced), as the user configured it
+        (:mod:`~lightning_fuse.step_counters`)."""
         _run(clip)
         self._counters.to_host()
-        self._previous_step()
+        (step or self._previous_step)()
         return EAGER
 
     def _warm_up(self) -> bool:

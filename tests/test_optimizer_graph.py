@@ -405,3 +405,26 @@ def test_fuse_callback_replays_the_update_under_its_plan_and_reports_it():
     assert task.trainer.optimizers[0].param_groups[0]["capturable"] is False  # put back
     for got, want in zip(task.parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_graph_uninstalled_by_its_own_steps_closure_still_updates_with_the_optimizers_own_step():
+    """Found on an H200: a backward under torch's cudagraph trees failed inside Lightning's closure, FuseCallback
+    dropped its plan (uninstalling this graph), and the step went on to call the replaced ``step``, gone: the run
+    ended with "'NoneType' object is not callable"."""
+    net, optimizer, graph = linear_with_graph(lr=0.5)
+    twin = copy.deepcopy(net)
+    twin_optimizer = torch.optim.SGD(twin.parameters(), lr=0.5)
+
+    def closure(model, uninstall):
+        loss = model(torch.ones(1, 2)).sum()
+        loss.backward()
+        if uninstall:
+            graph.uninstall()
+        return loss
+
+    for dropped in (False, False, True):
+        optimizer.zero_grad(), twin_optimizer.zero_grad()
+        optimizer.step(lambda: closure(net, dropped))
+        twin_optimizer.step(lambda: closure(twin, False))
+    torch.testing.assert_close(net.weight, twin.weight)
+    assert "step" not in vars(optimizer)
