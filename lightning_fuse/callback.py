@@ -322,8 +322,8 @@ class FuseCallback(Callback):
         if successor is not None:
             fit.hand_over(successor, OUTPUTS_HELD, store=trainer.is_global_zero)
         else:
-            fit.drop_plan(f"torch's CUDA graphs under it {OUTPUTS_HELD.what}. Keep copies (`.detach().clone()`) to "
-                          "keep them, or use mode='default'", trainer.current_epoch)  # fmt: skip
+            fit.drop_plan(f"torch's CUDA graphs under it {OUTPUTS_HELD.what}. {OUTPUTS_HELD.advice} Or use "
+                          "mode='default'", trainer.current_epoch)  # fmt: skip
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone
