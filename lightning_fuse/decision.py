@@ -97,21 +97,24 @@ class Decision:
         span = max(11, *map(len, times))
         return [f"{t.name:<{width}} {ms:<{span}}  {t.outcome}" for t, ms in zip(shown, times)]
 
-    def handed_over(self, successor: str, step: int) -> Decision:
+    def handed_over(self, successor: str, step: int, reason: str) -> Decision:
         """The decision a later run should start from, where this fit handed its winner over to ``successor`` at
-        ``step`` (:meth:`~lightning_fuse.fit.FitState.hand_over`): the same trials, ``successor`` the winner. A new
-        decision, not a cached one, so that :meth:`DecisionFile.store` writes it.
+        ``step`` for ``reason`` (:meth:`~lightning_fuse.fit.FitState.hand_over`): the same trials, ``successor``
+        the winner. A new decision, not a cached one, so that :meth:`DecisionFile.store` writes it.
 
         Example::
 
             >>> trials = [Trial("eager", 30.0, "slower than reduce-overhead"), Trial("reduce-overhead", 9.0, "chosen")]
-            >>> handed = Decision("reduce-overhead", trials, cached=True).handed_over("compile", 93)
+            >>> decision = Decision("reduce-overhead", trials, cached=True)
+            >>> handed = decision.handed_over("compile", 93, "its graphs reached their cap of sizes")
             >>> handed.winner, handed.cached, [t.name for t in handed.trials]
             ('compile', False, ['eager', 'reduce-overhead', 'compile'])
-            >>> handed.trials[-1].outcome
+            >>> handed.trials[1].outcome
+            'handed over at step 93: its graphs reached their cap of sizes'
+            >>> handed.trials[2].outcome
             "chosen: handed over from 'reduce-overhead' at step 93"
         """
-        why = f"handed over at step {step}: its CUDA graphs met more input sizes than one fit records"
+        why = f"handed over at step {step}: {reason}"
         chosen = f"chosen: handed over from {self.winner!r} at step {step}"
         outcomes = {self.winner: why, successor: chosen}
         trials = [replace(t, outcome=outcomes.get(t.name, t.outcome)) for t in self.trials]

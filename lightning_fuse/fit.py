@@ -48,6 +48,8 @@ class Handover:
     what: str
     reason: str
     advice: str
+    failed: bool = False
+    """A step failed under the trees: said as a warning, where the other handovers are information."""
 
 
 SIZES_FULL = Handover(
@@ -355,6 +357,20 @@ class FitState:
         if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
             self.decision_file.forget()
 
+    def fail_plan(self, reason: str) -> bool:
+        """A step under the plan raised (``reason``; in backward: :class:`~lightning_fuse.guard.BackwardGuard`). A
+        plan under torch's cudagraph trees hands over to the same compile without them where the fit made that
+        candidate (:meth:`hand_over`; once, as that one runs no trees): the trees' own failures, such as a recording
+        that "observed an input tensor deallocate" in Bloom's backward on an H200, then cost the graphs and not the
+        compile. Any other plan is dropped (:meth:`drop_plan`). Returns whether a plan still runs."""
+        successor = self.graphless_candidate()
+        if successor is None:
+            self.drop_plan(reason)
+            return False
+        failed = Handover(f"failed ({reason})", f"{reason} under torch's CUDA graphs", "", failed=True)
+        self.hand_over(successor, failed, store=rank_zero_only.rank == 0)
+        return True
+
     def candidate(self, name: str) -> Plan | None:
         """The fit's candidate plan of this name (``None``: none was made)."""
         return next((plan for plan in self.candidates if plan.name == name), None)
@@ -376,9 +392,11 @@ class FitState:
         ``successor`` from now on (:meth:`~lightning_fuse.decision.Decision.handed_over`): the next run on the same
         inputs starts there, rather than record graphs again and recompile when it hands over."""
         previous, plan = self.plan_name(), self.candidate(successor)
-        rank_zero_info(f"FuseCallback: torch's CUDA graphs under {previous!r} {why.what}: from step {self.steps} "
-                       f"the fit runs {successor!r}, the same compile without graphs (compiled now, once). "
-                       f"{why.advice}")
+        say = rank_zero_warn if why.failed else rank_zero_info
+        if why.failed:
+            _new_line()  # the warning on a line of its own, as drop_plan's
+        say(f"FuseCallback: torch's CUDA graphs under {previous!r} {why.what}: from step {self.steps} the fit runs "
+            f"{successor!r}, the same compile without graphs (compiled now, once). {why.advice}".rstrip())
         self.fallbacks.update(self.plan_fallbacks())
         self.plan.uninstall()
         self.plan.release()
@@ -386,7 +404,7 @@ class FitState:
         plan.install()
         self.plan = plan
         if store and self.decision is not None and self.decision_file is not None:
-            self.decision_file.store(self.decision.handed_over(successor, self.steps))
+            self.decision_file.store(self.decision.handed_over(successor, self.steps, why.reason))
 
     def uninstall_plan(self) -> None:
         for graph in filter(None, self.optimizer_graphs):

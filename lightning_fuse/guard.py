@@ -4,11 +4,12 @@ A compiled region's forward falls back on its own (:mod:`lightning_fuse.compiler
 inside Lightning's closure (``loss.backward()``, activation checkpointing's recomputation, gradient hooks), where
 nothing of ours is on the stack. :class:`BackwardGuard` sits in the LightningModule's public ``backward`` hook,
 which Lightning calls for automatic and manual optimization alike: if backward raises while a plan runs, the
-plan is dropped (the model is eager from then on), the step's gradients are cleared, and with automatic
-optimization the step is redone eagerly (its ``training_step`` again, then backward), so the optimizer step that
-follows uses eager's gradients. With manual optimization the step's backward is skipped instead (Lightning gives
-no point from which to redo a user's whole step); the plan search has already run every candidate's backward on
-the run's own inputs, so this is rare.
+plan is dropped (the model is eager from then on) or, under torch's cudagraph trees, handed over to the same
+compile without them (:meth:`~lightning_fuse.fit.FitState.fail_plan`), the step's gradients are cleared, and with
+automatic optimization the step is redone under what runs then (its ``training_step`` again, then backward; guarded
+again where a plan took over), so the optimizer step that follows uses that plan's or eager's gradients. With manual
+optimization the step's backward is skipped instead (Lightning gives no point from which to redo a user's whole
+step); the plan search has already run every candidate's backward on the run's own inputs, so this is rare.
 
 Example::
 
@@ -40,7 +41,8 @@ class BackwardGuard:
     """Redoes a step eagerly when its backward raises under a plan.
 
     Args:
-        on_failure: Called with the error's one-line description; it must leave the model eager (drop the plan).
+        on_failure: Called with the error's one-line description; it drops the plan or hands over to another, and
+            returns whether a plan still runs (the redone step is then guarded as well).
         context: The context ``training_step`` runs in (the Trainer's precision: autocast), for the redo.
         scale: Applied to the redone loss before backward (a GradScaler's ``scale``), as Lightning did to the first.
 
@@ -50,7 +52,7 @@ class BackwardGuard:
         False
     """
 
-    def __init__(self, on_failure: Callable[[str], None], context: Callable[[], Any] = nullcontext,
+    def __init__(self, on_failure: Callable[[str], bool | None], context: Callable[[], Any] = nullcontext,
                  scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss) -> None:  # fmt: skip
         self.on_failure, self.context, self.scale = on_failure, context, scale
         self.armed = False  # a plan runs in this step: its backward is guarded
@@ -80,20 +82,21 @@ class BackwardGuard:
         self._step, self.armed = (batch, batch_idx), armed
 
     def _backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        try:
-            return self._original(loss, *args, **kwargs)
-        except Exception as err:  # noqa: BLE001 - compiled code failed in backward: the plan goes, the run stays
-            if not self.armed:
-                raise
-            reason = describe_error(err)
-        self.armed = False
-        self.on_failure(f"backward raised {reason}")
-        self._module.zero_grad(set_to_none=True)
-        if not self._module.automatic_optimization:
-            rank_zero_warn("FuseCallback: with manual optimization this step's gradients were dropped; it is skipped.")
-            return None
-        self.redone_steps += 1
-        return self._original(self.scale(self._redo_loss()), *args, **kwargs)
+        while True:  # ends: a failed plan hands over at most once (on_failure), and an eager step is not guarded
+            try:
+                return self._original(loss, *args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - compiled code failed in backward: the plan goes, the run stays
+                if not self.armed:
+                    raise
+                reason = describe_error(err)
+            self.armed = bool(self.on_failure(f"backward raised {reason}"))
+            self._module.zero_grad(set_to_none=True)
+            if not self._module.automatic_optimization:
+                rank_zero_warn("FuseCallback: with manual optimization this step's gradients were dropped; it is "
+                               "skipped.")
+                return None
+            self.redone_steps += 1
+            loss = self.scale(self._redo_loss())
 
     def _redo_loss(self) -> torch.Tensor:
         batch, batch_idx = self._step

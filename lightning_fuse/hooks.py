@@ -73,10 +73,11 @@ class FitHooks:
 
     @classmethod
     def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
-                on_failure: Callable[[str], None], pad_buckets: Sequence[int] | None) -> FitHooks:  # fmt: skip
+                on_failure: Callable[[str], bool], pad_buckets: Sequence[int] | None) -> FitHooks:  # fmt: skip
         """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, the backward guard and
-        the state watch on ``pl_module`` (``on_failure``: the plan dropped; a redone step runs in ``precision``'s
-        autocast and loss scale), the buckets where ``pad_buckets`` are given."""
+        the state watch on ``pl_module`` (``on_failure``: the plan dropped or handed over,
+        :meth:`~lightning_fuse.fit.FitState.fail_plan`; a redone step runs in ``precision``'s autocast and loss
+        scale), the buckets where ``pad_buckets`` are given."""
         hooks = cls(buckets=PadToBuckets(pad_buckets) if pad_buckets else None)
         hooks.no_cache = NoCacheInTraining(network)
         hooks.no_cache.install()

@@ -1,10 +1,14 @@
 """The fallback that reaches backward (lightning_fuse.guard), and the truth about what ran (FitState.what_ran)."""
 
+import math
+from collections.abc import Callable
+
 import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_fuse import FuseCallback, compat
+from lightning_fuse import plan as plan_module
 from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.decision import Decision
 from lightning_fuse.fit import FitState
@@ -13,6 +17,8 @@ from lightning_fuse.measurement import epoch_extras, verdict
 from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
 from lightning_fuse.regions import resolve_regions
+from tests.faults import messages
+from tests.test_running_guard import PlanPerStep, regions_win_on_a_fake_clock
 from tests.toy import ToyTask, trainer
 
 
@@ -75,6 +81,63 @@ def test_the_search_catches_a_backward_fault_before_any_training_step_sees_it():
     assert outcomes["regions"].startswith("failed: AssertionError: Unexpected state")
     assert fuse.plan.name == "eager" and fuse.fit.hooks.guard.redone_steps == 0
     torch.testing.assert_close(fused_losses, eager_losses, rtol=1e-5, atol=1e-6)
+
+
+class FailsUnder(ToyTask):
+    """Its loss's backward raises at step ``at`` while FuseCallback runs a plan named in ``plans`` (``plan()``: the
+    plan's name), as torch's cudagraph trees did in Bloom's backward on an H200 ("graph recording observed an input
+    tensor deallocate during graph recording that did not occur during replay")."""
+
+    def __init__(self, plan: Callable[[], str], plans: tuple[str, ...], at: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.plan, self.plans, self.at = plan, plans, at
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.model(x)
+        if self.global_step == self.at and self.plan() in self.plans:
+            logits = Boom.apply(logits)
+        return torch.nn.functional.cross_entropy(logits, y)
+
+
+def fit_failing_under(monkeypatch, plans: tuple[str, ...], cache_dir) -> tuple[FuseCallback, list[str], list[float]]:
+    """A fit whose search picks ``compile``, a plan under torch's trees as far as the fit knows (its candidate
+    without them: ``regions``), and whose backward fails at step 8 under ``plans``: FuseCallback, the plan at each
+    step's end, the losses."""
+    regions_win_on_a_fake_clock(monkeypatch, winner="compile")
+    monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "compile", ("regions",))
+    fuse = FuseCallback(backend="aot_eager", cache_dir=cache_dir, eager_steps=0)
+    probe, losses = PlanPerStep(fuse), Losses()
+    pl.seed_everything(0, verbose=False)
+    task = FailsUnder(lambda: fuse.plan.name if fuse.plan is not None else "-", plans, at=8, samples=16 * 12)
+    trainer([fuse, probe, losses], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(task)
+    return fuse, probe.plans, losses.losses
+
+
+def test_a_backward_failing_under_torchs_trees_hands_over_to_the_same_compile_without_them(monkeypatch, tmp_path):
+    eager = Losses()
+    pl.seed_everything(0, verbose=False)
+    trainer([eager], max_epochs=1, limit_val_batches=0).fit(ToyTask(samples=16 * 12))
+    with pytest.warns(UserWarning, match=r"under 'compile' failed \(backward raised AssertionError: Unexpected state"):
+        fuse, plans, losses = fit_failing_under(monkeypatch, ("compile",), tmp_path)
+    assert plans[fuse.fit.activation_step:8] == ["compile"] * (8 - fuse.fit.activation_step)
+    assert plans[8:] == ["regions"] * 4, "the failed step redone under the successor, which runs to the end"
+    assert fuse.fit.dropped is None and fuse.fit.hooks.guard.redone_steps == 1
+    assert fuse.plan.reason.startswith("handed over from 'compile' at step 8: backward raised AssertionError")
+    torch.testing.assert_close(losses, eager.losses, rtol=1e-5, atol=1e-6)
+    stored = fuse.fit.decision_file.load(["compile", "regions"])
+    assert stored.winner == "regions", "the next run starts without the trees"
+    outcomes = {trial.name: trial.outcome for trial in stored.trials}
+    assert outcomes["compile"].startswith("handed over at step 8: backward raised AssertionError")
+
+
+def test_a_plan_handed_over_for_a_failure_is_dropped_when_it_fails_too(monkeypatch):
+    with pytest.warns(UserWarning) as record:
+        fuse, plans, losses = fit_failing_under(monkeypatch, ("compile", "regions"), cache_dir=False)
+    assert len(messages(record, "under 'compile' failed (backward raised")) == 1
+    assert len(messages(record, "plan 'regions' dropped, the rest of the fit trains eagerly: backward raised")) == 1
+    assert plans[8:] == ["eager"] * 4 and fuse.fit.hooks.guard.redone_steps == 2
+    assert len(losses) == 12 and all(math.isfinite(loss) for loss in losses)
 
 
 def test_the_summary_says_a_graph_that_was_not_captured_was_not_captured():
