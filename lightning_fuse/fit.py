@@ -367,7 +367,7 @@ class FitState:
         if successor is None:
             self.drop_plan(reason)
             return False
-        failed = Handover(f"failed ({reason})", f"{reason} under torch's CUDA graphs", "", failed=True)
+        failed = Handover(f"failed ({reason})", f"under torch's CUDA graphs, {reason}", "", failed=True)
         self.hand_over(successor, failed, store=rank_zero_only.rank == 0)
         return True
 

@@ -123,12 +123,13 @@ def test_a_backward_failing_under_torchs_trees_hands_over_to_the_same_compile_wi
     assert plans[fuse.fit.activation_step:8] == ["compile"] * (8 - fuse.fit.activation_step)
     assert plans[8:] == ["regions"] * 4, "the failed step redone under the successor, which runs to the end"
     assert fuse.fit.dropped is None and fuse.fit.hooks.guard.redone_steps == 1
-    assert fuse.plan.reason.startswith("handed over from 'compile' at step 8: backward raised AssertionError")
+    assert fuse.plan.reason.startswith("handed over from 'compile' at step 8: under torch's CUDA graphs, backward "
+                                       "raised AssertionError")
     torch.testing.assert_close(losses, eager.losses, rtol=1e-5, atol=1e-6)
     stored = fuse.fit.decision_file.load(["compile", "regions"])
     assert stored.winner == "regions", "the next run starts without the trees"
     outcomes = {trial.name: trial.outcome for trial in stored.trials}
-    assert outcomes["compile"].startswith("handed over at step 8: backward raised AssertionError")
+    assert outcomes["compile"].startswith("handed over at step 8: under torch's CUDA graphs, backward raised")
 
 
 def test_a_plan_handed_over_for_a_failure_is_dropped_when_it_fails_too(monkeypatch):
