@@ -38,7 +38,7 @@ from lightning_fuse.compiler import describe_error
 
 
 class BackwardGuard:
-    """Redoes a step eagerly when its backward raises under a plan.
+    """Redoes a step when its backward raises under a plan: eagerly, or under the plan handed over to.
 
     Args:
         on_failure: Called with the error's one-line description; it drops the plan or hands over to another, and
