@@ -236,6 +236,13 @@ class FuseCallback(Callback):
         if self.fit.timer is not None:
             self.fit.timer.interrupt()  # the training step before validation would otherwise include it
             self.fit.pace.interrupt()
+        if self.fit.plan is not None:
+            self.fit.plan.set_evaluating(True)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.fit.plan is not None:
+            self.fit.plan.set_evaluating(False)
 
     @override
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,

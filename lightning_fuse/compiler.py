@@ -68,6 +68,11 @@ class RepeatedSizes:
     has none, one graph), so each size counts once for the forward and once for the backward. Installed by
     :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
 
+    Evaluation calls (:attr:`evaluating`: a validation loop's) have ``sizes`` of their own, and only the training
+    calls' sizes refused count in :attr:`refused`: an HF model's ``generate`` meets a new cache length at every token,
+    and on an H200 Bloom generating 80 tokens in its validation filled the training calls' cap, so that the fit
+    handed its training steps, of one size throughout, over to the compile without graphs.
+
     Example::
 
         >>> sizes = RepeatedSizes(sizes=1)
@@ -78,22 +83,28 @@ class RepeatedSizes:
     def __init__(self, sizes: int = TREE_SIZES) -> None:
         self.sizes = sizes
         self.refused = 0
-        self._met: set[Any] = set()
-        self._recorded: set[Any] = set()
+        """Training calls' sizes refused a graph."""
+        self.evaluating = False
+        """Whether the calls from now are evaluation's rather than training's."""
+        self._met: dict[bool, set[Any]] = {False: set(), True: set()}  # evaluating -> sizes met
+        self._recorded: dict[bool, set[Any]] = {False: set(), True: set()}
 
     def __contains__(self, key: Any) -> bool:
-        if key is None or key in self._recorded:
+        met, recorded = self._met[self.evaluating], self._recorded[self.evaluating]
+        if key is None or key in recorded:
             return True
-        if key not in self._met:
-            self._met.add(key)
+        if key not in met:
+            met.add(key)
             return False
-        if len(self._recorded) < 2 * self.sizes:
-            self._recorded.add(key)
+        if len(recorded) < 2 * self.sizes:
+            recorded.add(key)
             return True
+        if self.evaluating:
+            return False
         if not self.refused:
-            rank_zero_info(f"FuseCallback: torch's CUDA graphs were recorded for {self.sizes} input sizes, the most "
-                           "one fit records; new sizes run compiled, without a graph. Pad the lengths to a few "
-                           "sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
+            rank_zero_info(f"FuseCallback: torch's CUDA graphs were recorded for {self.sizes} input sizes of the "
+                           "training steps, the most one fit records; new sizes run compiled, without a graph. Pad the "
+                           "lengths to a few sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
         self.refused += 1
         return False
 

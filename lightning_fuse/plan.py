@@ -149,6 +149,9 @@ class Plan:
         """Called before the first forward of every training iteration that runs this plan (under gradient
         accumulation, before its first micro-batch only)."""
 
+    def set_evaluating(self, evaluating: bool) -> None:
+        """Whether the calls from now are evaluation's (a validation loop's) rather than training's."""
+
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         """Why this plan cannot work here, found cheaply before it is compiled (``None``: try it).
         ``forward_backward()`` is one forward and backward of the network on the search's inputs, unsynchronised."""
@@ -272,6 +275,10 @@ class Regions(Plan):
             torch.compiler.cudagraph_mark_step_begin()
         if self.watch is not None:
             self.watch.clear()
+
+    def set_evaluating(self, evaluating: bool) -> None:
+        if self._tree_sizes is not None:  # evaluation's sizes are capped apart (RepeatedSizes)
+            self._tree_sizes.evaluating = evaluating
 
     def release(self) -> None:
         if self.graph is not None:

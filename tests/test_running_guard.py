@@ -110,6 +110,37 @@ def test_torch_cuda_graphs_record_for_sizes_met_again_up_to_a_cap_and_other_size
     assert pickle.loads(pickle.dumps(sizes)).refused == 0  # inductor's cache key sees the cap, not the sizes met
 
 
+def test_evaluation_calls_have_a_cap_of_sizes_of_their_own_and_never_count_as_training_sizes_refused():
+    """On an H200 Bloom, under ``reduce-overhead`` chosen by measurement, generated 80 tokens in its validation (an HF
+    model's ``generate`` meets a new cache length at every token): those sizes filled the cap, and the fit handed its
+    training steps, of one size throughout, over to the compile without graphs."""
+    sizes = RepeatedSizes(sizes=1)  # 2 keys: a forward's and a backward's
+    sizes.evaluating = True
+    generated = [key in sizes for length in (32, 33, 34, 35) for key in ((length,), (length,))]
+    assert generated == [False, True, False, True, False, False, False, False], "met again, up to evaluation's cap"
+    assert sizes.refused == 0
+    sizes.evaluating = False
+    training = [key in sizes for key in (64, 64, (32,), (32,), 96, 96)]
+    assert training == [False, True, False, True, False, False], "training's cap, untouched by evaluation's sizes"
+    assert sizes.refused == 1
+    sizes.evaluating = True
+    assert (33,) in sizes, "evaluation's recorded sizes still replay"
+
+
+def test_the_callback_tells_the_plan_that_a_validation_loop_calls_it_and_that_training_calls_it_again(monkeypatch):
+    regions_win_on_a_fake_clock(monkeypatch)
+    told = []
+    monkeypatch.setattr(plan_module.Regions, "set_evaluating", lambda plan, evaluating: told.append(evaluating))
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
+    trainer([fuse], max_epochs=2, limit_val_batches=2).fit(ToyTask(samples=16 * 8))
+    assert fuse.plan.name == "regions" and told == [True, False, True, False], "the sanity check ran before the plan"
+    setting = Setting([], graph_target(ToyTask()), CompileOptions(backend="eager"), CUDA)
+    monkeypatch.undo()
+    plan = Whole(setting, "reduce-overhead")  # its trees' cap, made for a (faked) CUDA device
+    plan.set_evaluating(True)
+    assert plan._tree_sizes.evaluating
+
+
 def test_a_plan_under_torch_graphs_caps_their_sizes_while_installed_and_gives_the_setting_back():
     task = ToyTask()
     setting = Setting([], graph_target(task), CompileOptions(backend="eager"), CUDA)
