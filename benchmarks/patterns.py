@@ -13,7 +13,10 @@ a profile of the batches before the timed ones (:class:`models.ProfiledSteps`); 
 Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta``
 (fuse's plan for them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers,
 each batch padded to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs
-for ``moe``; ``two_views`` calls the network twice on each batch before one backward (a consistency loss). On the GPU:
+for ``moe``; ``two_views`` calls the network twice on each batch before one backward (a consistency loss);
+``generate_in_validation`` validates every quarter of the fit on 2 batches, each generating 64 tokens greedily
+from its first 32 (``llama`` and ``bloom``; a validation's time falls in the step before it, which the median of
+the timed steps leaves out). On the GPU:
 
     python benchmarks/patterns.py --patterns all --budget-s 540
     python benchmarks/patterns.py --patterns varying_length --steps 230 --warmup 130 --budget-s 540
@@ -53,6 +56,11 @@ ENCODERS = ("bert", "deberta")
 copies a tensor from the host (its relative positions)."""
 TREES = ("vit", "deberta")
 """Models whose fuse plan at small batch is torch's cudagraph trees (``reduce-overhead``), as the zoo measured."""
+GENERATORS = ("llama", "bloom")
+"""Causal LMs for the validation that generates text: fuse's plan for Llama at small batch captures a graph of its
+own (``compile+graph``), for Bloom it is torch's cudagraph trees."""
+PROMPT, NEW_TOKENS = 32, 64
+"""The validation's prompts (each batch's first tokens) and the tokens generated from them (smoke: 8 and 8)."""
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead", "compile")
 DERIVED = {"fuse_unsampled": ("fuse", {"gpu_sample_hz": 0}), "fuse_warm": ("fuse", {})}
 """Variants of this benchmark's own, run only where asked by name (not in ``all``) and where the variant they run
@@ -200,6 +208,22 @@ class TwoCalls:
         return (self.loss_fn(model, batch) + self.loss_fn(model, batch)) / 2
 
 
+def generate_in_validation(task: models.Task, spec: dict) -> None:
+    """A validation loop that generates text (greedy) besides its loss, as summarization and instruction fine-tunes
+    score their generations: an HF model's ``generate`` calls the network at a new cache length for every token."""
+    prompt, new_tokens = (8, 8) if spec["smoke"] else (PROMPT, NEW_TOKENS)
+
+    def validation_step(batch: dict, batch_idx: int) -> Tensor:  # a function: Lightning reads its __code__
+        loss = task.model(**batch).loss
+        start = batch["input_ids"][:, :prompt]
+        task.model.generate(start, attention_mask=torch.ones_like(start), max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+        return loss
+
+    task.validation_step = validation_step
+    task.val_dataloader = lambda: DataLoader(models.Batches(task.data.batches, 2), batch_size=None)
+
+
 def nothing(task: models.Task, spec: dict) -> None:
     """The pattern lives in the Trainer's arguments."""
 
@@ -220,6 +244,8 @@ PATTERNS: dict[str, tuple[tuple[str, ...], tuple[str, ...], Callable, dict]] = {
     "varying_length_buckets": (HF, ("fuse",), buckets, {}),
     "moe": (("gpt",), ALL_VARIANTS, moe, {}),
     "two_views": (HF + VISION, ALL_VARIANTS, two_views, {}),
+    "generate_in_validation": (GENERATORS, ALL_VARIANTS, generate_in_validation,
+                               {"limit_val_batches": 2, "val_check_interval": 0.25}),
 }
 """pattern -> (models it applies to, variants, ``apply(task, spec)`` returning extra FuseCallback arguments
 under ``"fuse"``, Trainer arguments (``optimizers``: optimizer steps per batch))."""
@@ -447,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = list(ALL_VARIANTS) if args.variants == "all" else harness.split(args.variants, (*ALL_VARIANTS, *DERIVED))
     if {"fuse", "fuse_warm"} <= set(wanted):
         raise SystemExit("fuse_warm runs and records a cold fuse fit first: ask for fuse_warm without fuse")
-    regimes = models.regimes(args, tuple(dict.fromkeys(HF + VISION + TREES + ENCODERS + ("gpt",))))  # deberta twice
+    regimes = models.regimes(args, tuple(dict.fromkeys(HF + VISION + TREES + ENCODERS + GENERATORS + ("gpt",))))
     groups = [[{"model": model, "pattern": pattern, "batch_size": batch, "variant": variant, "steps": steps,
                 "warmup": warmup, "smoke": args.smoke, "profile_steps": args.profile_steps}
                for variant in wanted if DERIVED.get(variant, (variant,))[0] in PATTERNS[pattern][1]]
