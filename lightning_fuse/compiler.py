@@ -259,7 +259,7 @@ class CompiledRegion:
             self.fall_back(describe_error(err))
             return out
         if self.tracker.total_compiles != before:
-            self._check_recompiles()
+            self._check_recompiles(evaluating=not (mode[0] and mode[1]))
         if self.on_return is not None and torch.is_grad_enabled() and not forced_eager():
             return self.on_return(out)
         return out
@@ -312,11 +312,12 @@ class CompiledRegion:
                 return compat.call_uncompiled(module, *args, **kwargs)
             return module.forward(*args, **kwargs)
 
-    def _check_recompiles(self) -> None:
+    def _check_recompiles(self, evaluating: bool) -> None:
         stats = self.tracker.stats(self.name)
         if stats.recompiles and not self._warned_recompile:
             self._warned_recompile = True
-            warn_recompile(self.name, stats, marked={dim for dim, _ in self.policy.dynamic_sizes})
+            warn_recompile(self.name, stats, marked={dim for dim, _ in self.policy.dynamic_sizes},
+                           evaluating=evaluating)  # fmt: skip
         recompiles = stats.most_recompiles_of_one_code  # as torch's own limit counts: per code object
         if recompiles <= self._recompiles_allowed:
             return

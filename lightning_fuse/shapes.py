@@ -375,9 +375,10 @@ def _extend_capped(target: list[str], new: Any, cap: int) -> None:
             target.append(reason)
 
 
-def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = ()) -> None:
+def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (), evaluating: bool = False) -> None:
     """Warn (once per region, the caller ensures) that a region recompiled, with dynamo's reason and what to do
-    (``marked``: the dims the fit marks dynamic on the region's inputs; declaring one of them is not the fix).
+    (``marked``: the dims the fit marks dynamic on the region's inputs; declaring one of them is not the fix;
+    ``evaluating``: the call was not a training one, in eval mode or without grad).
 
     Example::
 
@@ -416,6 +417,11 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
                 "dynamo compiles a version for each value the code meets. Where it grows call by call (a list each "
                 "layer appends to, as transformers records output_router_logits or output_attentions), each layer "
                 "compiles once, at the first step; turn that output off in training to compile one")
+    elif evaluating:
+        hint = ("It recompiled in an evaluation call (eval mode or no grad: a validation loop, or an HF model's "
+                "`generate`, whose every token meets a new cache length), not in a training step: torch compiles "
+                "such sizes dynamic after a few, and the training calls keep what was compiled for them. Nothing to "
+                "do unless it keeps recompiling")
     else:
         hint = "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}"
     rank_zero_warn(f"FuseCallback: region {name!r} recompiled ({stats.recompiles}x so far). Reason: {reason}. {hint}.")

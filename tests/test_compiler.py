@@ -333,6 +333,29 @@ def test_plans_that_compile_a_region_with_other_settings_spend_none_of_its_recom
         tracker.remove()
 
 
+def test_a_recompile_in_an_evaluation_call_does_not_ask_the_user_to_declare_a_dim():
+    """An HF model's ``generate`` in a validation loop meets a new cache length at every token, and its prompts are
+    shorter than the training texts: the region recompiles in eval mode, which no ``dynamic_dims`` of the training
+    batch changes (on CPU, a Llama generating 40 tokens in validation: 3 recompiles a region)."""
+    net = Net().eval()
+    tracker = CompileTracker()
+    tracker.install()
+    runner = CompiledRegion(Region("net", net), CompileOptions(backend="eager"), tracker, RegionPolicy(verify=False))
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    runner.install()
+    try:
+        with torch.no_grad():
+            net(torch.randn(4, 8))
+            with pytest.warns(UserWarning, match=r"recompiled \(1x so far\)") as caught:
+                net(torch.randn(5, 8))
+        message = str(caught[0].message)
+        assert "in an evaluation call" in message and "declare it with `dynamic_dims`" not in message
+    finally:
+        torch._dynamo.config.automatic_dynamic_shapes = True
+        runner.uninstall()
+        tracker.remove()
+
+
 def test_a_module_of_torchs_own_is_compiled_through_a_function_of_ours():
     """torch 2.11 compiled nothing of an ``nn.Sequential`` region through its ``_call_impl`` (an H200 probe's CNN
     "compiled" in 0.0 s); called from a function of ours, dynamo traces it, hooks included."""
