@@ -18,11 +18,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
 
 pytest.importorskip("transformers")
 
 from lightning_fuse import FuseCallback
 from tests.user_models import (
+    BATCH,
     HFTask,
     Run,
     ShardedHFTask,
@@ -223,6 +225,40 @@ def test_a_causal_lm_trains_without_its_kv_cache_and_its_config_is_left_as_it_wa
     assert model(input_ids=torch.randint(0, 64, (2, 8))).past_key_values is not None  # the default is back
     eager = fit(lambda: HFTask(tiny_gpt2()))
     assert_same_training(run, eager)
+
+
+class GeneratesInValidation(HFTask):
+    """Its validation generates 16 tokens greedily from each batch's first 4, as a summarization fine-tune scores
+    its generations: ``generate`` calls the network at a new cache length for every token, in eval mode."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.generated: list[torch.Tensor] = []
+
+    def validation_step(self, batch, batch_idx):
+        input_ids, attention_mask, _ = batch
+        self.generated.append(self.model.generate(input_ids[:, :4], attention_mask=attention_mask[:, :4],
+                                                  max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                                                  pad_token_id=0))  # fmt: skip
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=BATCH)
+
+
+def test_a_validation_that_generates_text_keeps_the_plan_and_generates_as_eager(recwarn):
+    """Its recompiles are evaluation calls', within the limit, and say so (sixty-third session: on an H200, such a
+    validation's sizes filled the cap of torch's cudagraph trees and the training steps were handed over)."""
+    make = lambda: GeneratesInValidation(tiny_gpt2())
+    eager = fit(make, limit_val_batches=2)
+    cb = fuse(mode="default")
+    fused = fit(make, [cb], limit_val_batches=2)
+    assert_same_training(fused, eager)
+    assert len(fused.task.generated) == len(eager.task.generated) == 4
+    for got, want in zip(fused.task.generated, eager.task.generated):
+        assert torch.equal(got, want)
+    assert cb.plan.name == "regions" and cb.fit.dropped is None and cb.fallbacks == {}
+    recompiles = [str(w.message) for w in recwarn if "recompiled" in str(w.message)]
+    assert recompiles and all("in an evaluation call" in message for message in recompiles)
 
 
 def test_opt_whose_dropout_is_a_function_fails_no_candidate_on_its_masks():
