@@ -320,17 +320,14 @@ class FuseCallback(Callback):
     def _end_trees_holding_outputs(self, trainer: pl.Trainer) -> None:
         """torch's cudagraph trees free a training step's outputs when the next step begins (reading them then
         fails). Where the last step's are still held, before this step begins: the plan hands over to the same
-        compile without graphs (:meth:`~lightning_fuse.fit.FitState.hand_over`), or, with no such candidate (a
-        forced mode), is dropped. Each rank decides by itself: it is its own outputs that its training step held."""
+        compile without graphs, or, with no such candidate (a forced mode), is dropped
+        (:meth:`~lightning_fuse.fit.FitState.leave_trees`). Each rank decides by itself: it is its own outputs that
+        its training step held."""
         fit = self.fit
         if fit.plan is None or not fit.plan.outputs_held:
             return
-        successor = fit.graphless_candidate()
-        if successor is not None:
-            fit.hand_over(successor, OUTPUTS_HELD, store=trainer.is_global_zero)
-        else:
-            fit.drop_plan(f"torch's CUDA graphs under it {OUTPUTS_HELD.what}. {OUTPUTS_HELD.advice} Or use "
-                          "mode='default'", trainer.current_epoch)  # fmt: skip
+        dropped = f"torch's CUDA graphs under it {OUTPUTS_HELD.what}. {OUTPUTS_HELD.advice} Or use mode='default'"
+        fit.leave_trees(OUTPUTS_HELD, dropped, trainer.current_epoch, store=trainer.is_global_zero)
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone

@@ -347,8 +347,7 @@ class FitState:
         one warning (on a line of its own) saying why; ``epoch``: the (Lightning) epoch it was dropped in, for the
         verdict."""
         rest = next((plan for plan in self.candidates if not plan.owned), Plan())  # the user's compile, if any
-        _new_line()  # the warning on a line of its own, not in the middle of the progress bar's
-        rank_zero_warn(
+        _warn_on_a_line_of_its_own(
             f"FuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit "
             f"{'trains eagerly' if rest.owned else 'runs the model as the user compiled it'}: {reason}."
         )
@@ -359,16 +358,21 @@ class FitState:
 
     def fail_plan(self, reason: str) -> bool:
         """A step under the plan raised (``reason``; in backward: :class:`~lightning_fuse.guard.BackwardGuard`). A
-        plan under torch's cudagraph trees hands over to the same compile without them where the fit made that
-        candidate (:meth:`hand_over`; once, as that one runs no trees): the trees' own failures, such as a recording
-        that "observed an input tensor deallocate" in Bloom's backward on an H200, then cost the graphs and not the
-        compile. Any other plan is dropped (:meth:`drop_plan`). Returns whether a plan still runs."""
-        successor = self.graphless_candidate()
-        if successor is None:
-            self.drop_plan(reason)
-            return False
+        plan under torch's cudagraph trees hands over to the same compile without them (:meth:`leave_trees`; once,
+        as that one runs no trees): the trees' own failures, such as a recording that "observed an input tensor
+        deallocate" in Bloom's backward on an H200, then cost the graphs and not the compile. Any other plan is
+        dropped. Returns whether a plan still runs."""
         failed = Handover(f"failed ({reason})", f"under torch's CUDA graphs, {reason}", "", failed=True)
-        self.hand_over(successor, failed, store=rank_zero_only.rank == 0)
+        return self.leave_trees(failed, reason, store=rank_zero_only.rank == 0)
+
+    def leave_trees(self, why: Handover, dropped: str, epoch: int | None = None, store: bool = True) -> bool:
+        """The plan leaves torch's cudagraph trees for ``why``: it hands over to the same compile without them where
+        the fit made that candidate (:meth:`hand_over`, ``store`` as there), else it is dropped saying ``dropped``
+        (:meth:`drop_plan`, ``epoch`` as there). Returns whether a plan still runs."""
+        if (successor := self.graphless_candidate()) is None:
+            self.drop_plan(dropped, epoch)
+            return False
+        self.hand_over(successor, why, store=store)
         return True
 
     def candidate(self, name: str) -> Plan | None:
@@ -392,9 +396,7 @@ class FitState:
         ``successor`` from now on (:meth:`~lightning_fuse.decision.Decision.handed_over`): the next run on the same
         inputs starts there, rather than record graphs again and recompile when it hands over."""
         previous, plan = self.plan_name(), self.candidate(successor)
-        say = rank_zero_warn if why.failed else rank_zero_info
-        if why.failed:
-            _new_line()  # the warning on a line of its own, as drop_plan's
+        say = _warn_on_a_line_of_its_own if why.failed else rank_zero_info
         say(f"FuseCallback: torch's CUDA graphs under {previous!r} {why.what}: from step {self.steps} the fit runs "
             f"{successor!r}, the same compile without graphs (compiled now, once). {why.advice}".rstrip())
         self.fallbacks.update(self.plan_fallbacks())
@@ -424,5 +426,7 @@ class FitState:
 
 
 @rank_zero_only
-def _new_line() -> None:
+def _warn_on_a_line_of_its_own(message: str) -> None:
+    """A warning not in the middle of the progress bar's line."""
     sys.stderr.write("\n")
+    rank_zero_warn(message)
