@@ -1,11 +1,12 @@
 """What a fit puts on the model and on torch, and takes off at its end.
 
 :class:`FitHooks` holds each of them: the recorder of the network's training inputs (until the plan is chosen),
-``use_cache=False`` in an HF causal LM's training calls (:mod:`~lightning_fuse.kv_cache`), cuDNN attention left out
-where the lengths vary (:class:`~lightning_fuse.call_shapes.NoCudnnAttention`), the backward guard
-(:mod:`~lightning_fuse.guard`), dynamo's recompile limit raised for the regions, the compile cache's environment
-(:mod:`~lightning_fuse.cache`), the buckets that pad the batches (:mod:`~lightning_fuse.buckets`), and the watch
-on the model's parameters and buffers (:mod:`~lightning_fuse.module_state`).
+``use_cache=False`` in an HF causal LM's training calls and its ``generate`` run eagerly
+(:mod:`~lightning_fuse.kv_cache`), cuDNN attention left out where the lengths vary
+(:class:`~lightning_fuse.call_shapes.NoCudnnAttention`), the backward guard (:mod:`~lightning_fuse.guard`), dynamo's
+recompile limit raised for the regions, the compile cache's environment (:mod:`~lightning_fuse.cache`), the buckets
+that pad the batches (:mod:`~lightning_fuse.buckets`), and the watch on the model's parameters and buffers
+(:mod:`~lightning_fuse.module_state`).
 :meth:`FitHooks.install` puts them on at fit start, :meth:`FitHooks.remove` takes every one off.
 
 Example::
@@ -33,7 +34,7 @@ from lightning_fuse import compat
 from lightning_fuse.buckets import PadToBuckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
 from lightning_fuse.guard import BackwardGuard
-from lightning_fuse.kv_cache import NoCacheInTraining
+from lightning_fuse.kv_cache import EagerGeneration, NoCacheInTraining
 from lightning_fuse.module_state import StateWatch
 from lightning_fuse.randomness import RandomDraws
 
@@ -55,6 +56,7 @@ class FitHooks:
     """
 
     no_cache: NoCacheInTraining | None = None
+    generation: EagerGeneration | None = None
     guard: BackwardGuard | None = None
     attention: NoCudnnAttention = field(default_factory=NoCudnnAttention)
     """cuDNN attention off in the plan's steps and the eager reference's, where the lengths vary."""
@@ -74,13 +76,15 @@ class FitHooks:
     @classmethod
     def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
                 on_failure: Callable[[str], bool], pad_buckets: Sequence[int] | None) -> FitHooks:  # fmt: skip
-        """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, the backward guard and
-        the state watch on ``pl_module`` (``on_failure``: the plan dropped or handed over,
+        """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, eager ``generate``, the
+        backward guard and the state watch on ``pl_module`` (``on_failure``: the plan dropped or handed over,
         :meth:`~lightning_fuse.fit.FitState.fail_plan`; a redone step runs in ``precision``'s autocast and loss
         scale), the buckets where ``pad_buckets`` are given."""
         hooks = cls(buckets=PadToBuckets(pad_buckets) if pad_buckets else None)
         hooks.no_cache = NoCacheInTraining(network)
         hooks.no_cache.install()
+        hooks.generation = EagerGeneration(pl_module)
+        hooks.generation.install()
         hooks.start_recording(network)
         scaler = getattr(precision, "scaler", None)  # 16-mixed: a redone loss is scaled like the first
         hooks.guard = BackwardGuard(on_failure, precision.forward_context,
@@ -133,6 +137,8 @@ class FitHooks:
         self.stop_recording()
         if self.no_cache is not None:
             self.no_cache.uninstall()
+        if self.generation is not None:
+            self.generation.uninstall()
         self.attention.restore()
         if self.guard is not None:
             self.guard.uninstall()

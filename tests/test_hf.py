@@ -245,20 +245,63 @@ class GeneratesInValidation(HFTask):
         return DataLoader(self.dataset, batch_size=BATCH)
 
 
-def test_a_validation_that_generates_text_keeps_the_plan_and_generates_as_eager(recwarn):
-    """Its recompiles are evaluation calls', within the limit, and say so (sixty-third session: on an H200, such a
-    validation's sizes filled the cap of torch's cudagraph trees and the training steps were handed over)."""
+def test_a_validation_that_generates_text_generates_eagerly_and_keeps_the_plan(recwarn, caplog):
+    """``generate`` runs eagerly, so its cache lengths compile nothing (sixty-fourth session: on an H200, Bloom's
+    generation in validation compiled and recorded CUDA graphs for about a minute under FuseCallback, while the one
+    line by hand, ``torch.compile(model)``, generated eagerly); it is said once, and taken off at the fit's end."""
     make = lambda: GeneratesInValidation(tiny_gpt2())
     eager = fit(make, limit_val_batches=2)
     cb = fuse(mode="default")
-    fused = fit(make, [cb], limit_val_batches=2)
+    with caplog.at_level("INFO"):
+        fused = fit(make, [cb], limit_val_batches=2)
     assert_same_training(fused, eager)
     assert len(fused.task.generated) == len(eager.task.generated) == 4
     for got, want in zip(fused.task.generated, eager.task.generated):
         assert torch.equal(got, want)
     assert cb.plan.name == "regions" and cb.fit.dropped is None and cb.fallbacks == {}
-    recompiles = [str(w.message) for w in recwarn if "recompiled" in str(w.message)]
-    assert recompiles and all("in an evaluation call" in message for message in recompiles)
+    assert not [w for w in recwarn if "recompiled" in str(w.message)]
+    assert all(stats.recompiles == 0 for stats in cb.fit.tracker.regions.values())
+    assert caplog.text.count("GPT2LMHeadModel.generate runs eagerly") == 1
+    assert "generate" not in vars(fused.task.model)
+
+
+def test_eager_generation_leaves_a_static_cache_to_hf_and_copies_with_the_module():
+    import copy
+    import pickle
+
+    from lightning_fuse import compat
+    from lightning_fuse.kv_cache import EagerGeneration
+
+    class Wrapper(torch.nn.Module):  # as peft's PeftModelForCausalLM: its generate is the base model's
+        def __init__(self, model: torch.nn.Module) -> None:
+            super().__init__()
+            self.base_model = model
+
+        def generate(self, **kwargs):
+            return self.base_model.generate(**kwargs)
+
+    stances = []
+    model = tiny_gpt2()
+    model.eval()
+    wrapper = Wrapper(model)
+    eager = EagerGeneration(wrapper)
+    assert eager.modules == [model]
+    spy = model.register_forward_pre_hook(lambda *args: stances.append(compat.active_stance()))
+    prompt = torch.randint(0, 64, (1, 4))
+    eager.install()
+    try:
+        wrapper.generate(input_ids=prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert set(stances) == {"force_eager"}
+        stances.clear()
+        model.generate(input_ids=prompt, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       cache_implementation="static")  # fmt: skip
+        assert stances and set(stances) == {"default"}
+        spy.remove()
+        copied = copy.deepcopy(model)
+        assert copied.generate.module is copied and pickle.loads(pickle.dumps(model)).generate.module is not model
+    finally:
+        eager.uninstall()
+    assert "generate" not in vars(model) and "generate" in vars(copied)
 
 
 def test_opt_whose_dropout_is_a_function_fails_no_candidate_on_its_masks():
