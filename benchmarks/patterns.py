@@ -16,7 +16,8 @@ each batch padded to its longest text) for the varying lengths, and the recipe `
 for ``moe``; ``two_views`` calls the network twice on each batch before one backward (a consistency loss);
 ``generate_in_validation`` validates every quarter of the fit on 2 batches, each generating 64 tokens greedily
 from its first 32 (``llama`` and ``bloom``; a validation's time falls in the step before it, which the median of
-the timed steps leaves out). On the GPU:
+the timed steps leaves out, and in ``wall_s``; ``torch.compile(model)``'s wrapper is not the module that generates,
+so the one lines generate eagerly, as FuseCallback does). On the GPU:
 
     python benchmarks/patterns.py --patterns all --budget-s 540
     python benchmarks/patterns.py --patterns varying_length --steps 230 --warmup 130 --budget-s 540
