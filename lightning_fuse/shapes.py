@@ -418,10 +418,9 @@ def warn_recompile(name: str, stats: RegionCompiles, marked: Collection[int] = (
                 "layer appends to, as transformers records output_router_logits or output_attentions), each layer "
                 "compiles once, at the first step; turn that output off in training to compile one")
     elif evaluating:
-        hint = ("It recompiled in an evaluation call (eval mode or no grad: a validation loop, or an HF model's "
-                "`generate`, whose every token meets a new cache length), not in a training step: torch compiles "
-                "such sizes dynamic after a few, and the training calls keep what was compiled for them. Nothing to "
-                "do unless it keeps recompiling")
+        hint = ("It recompiled in an evaluation call (eval mode or no grad: a validation loop's), not in a training "
+                "step: torch compiles such sizes dynamic after a few, and the training calls keep what was compiled "
+                "for them. Nothing to do unless it keeps recompiling")
     else:
         hint = "If a batch dim or sequence length varies, declare it with `dynamic_dims`, e.g. {'x': [0]}"
     rank_zero_warn(f"FuseCallback: region {name!r} recompiled ({stats.recompiles}x so far). Reason: {reason}. {hint}.")

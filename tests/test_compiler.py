@@ -334,9 +334,9 @@ def test_plans_that_compile_a_region_with_other_settings_spend_none_of_its_recom
 
 
 def test_a_recompile_in_an_evaluation_call_does_not_ask_the_user_to_declare_a_dim():
-    """An HF model's ``generate`` in a validation loop meets a new cache length at every token, and its prompts are
-    shorter than the training texts: the region recompiles in eval mode, which no ``dynamic_dims`` of the training
-    batch changes (on CPU, a Llama generating 40 tokens in validation: 3 recompiles a region)."""
+    """A validation loop's batches may differ from the training steps' (on CPU, a Llama generating 40 tokens in
+    validation, before ``generate`` ran eagerly: 3 recompiles a region): the region recompiles in eval mode, which no
+    ``dynamic_dims`` of the training batch changes."""
     net = Net().eval()
     tracker = CompileTracker()
     tracker.install()
