@@ -69,9 +69,9 @@ class RepeatedSizes:
     :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
 
     Evaluation calls (:attr:`evaluating`: a validation loop's) have ``sizes`` of their own, and only the training
-    calls' sizes refused count in :attr:`refused`: an HF model's ``generate`` meets a new cache length at every token,
-    and on an H200 Bloom generating 80 tokens in its validation filled the training calls' cap, so that the fit
-    handed its training steps, of one size throughout, over to the compile without graphs.
+    calls' sizes refused count in :attr:`refused`: on an H200, Bloom generating 80 tokens in its validation (before
+    ``generate`` ran eagerly, :class:`~lightning_fuse.kv_cache.EagerGeneration`) filled the training calls' cap, so
+    that the fit handed its training steps, of one size throughout, over to the compile without graphs.
 
     Example::
 
