@@ -221,6 +221,7 @@ class FuseCallback(Callback):
         iteration_start = batch_idx % trainer.accumulate_grad_batches == 0
         if iteration_start:
             self._end_trees_holding_outputs(trainer)
+            self._end_trees_that_failed()
         # and zeroes the gradients then, between the training step's forward and its backward
         zeroed_after_forward = iteration_start and pl_module.automatic_optimization
         fit.begin_step(batch, batch_idx, self.options.length_fn, iteration_start, zeroed_after_forward)
@@ -328,6 +329,14 @@ class FuseCallback(Callback):
             return
         dropped = f"torch's CUDA graphs under it {OUTPUTS_HELD.what}. {OUTPUTS_HELD.advice} Or use mode='default'"
         fit.leave_trees(OUTPUTS_HELD, dropped, trainer.current_epoch, store=trainer.is_global_zero)
+
+    def _end_trees_that_failed(self) -> None:
+        """A region's call failed in torch's cudagraph trees under the plan (it ran eagerly for the rest of that
+        step, :attr:`~lightning_fuse.plan.Plan.trees_failure`): before this step begins, the plan hands over to the
+        same compile without them, as for a failure in backward (:meth:`~lightning_fuse.fit.FitState.fail_plan`).
+        Each rank decides by itself, as its own call failed."""
+        if self.fit.plan is not None and self.fit.plan.trees_failure is not None:
+            self.fit.fail_plan(self.fit.plan.trees_failure)
 
     def _plan_is_judged(self) -> bool:
         """With ``mode="auto"``, a plan of FuseCallback's own. The same on every rank, even where one rank alone

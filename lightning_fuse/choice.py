@@ -93,6 +93,8 @@ def activate_plan(fit: FitState, training: Training, pl_module: pl.LightningModu
             loser.release()
     plan.install()
     fit.plan = plan
+    if fit.graphless_candidate() is not None:  # a failure in the trees hands over (FitState.fail_plan)
+        plan.watch_trees_failures()
     if fit.optimizer_graph and fit.runs_compiled():
         _install_optimizer_graphs(fit, training)
     if plan.name == "eager" and fit.decision is not None:

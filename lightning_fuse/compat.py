@@ -94,18 +94,17 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
         PrivateAPI("torch._dynamo.lookup_backend", "checking a backend name before fit", required=False),
         PrivateAPI("torch._dynamo.exc.InvalidBackend", "checking a backend name before fit", required=False),
         PrivateAPI("torch._inductor.config", "checking inductor options before fit", required=False),
-        PrivateAPI("torch._inductor.list_mode_options", "keeping the user's inductor options in a plan compiled with a "
-                   "mode such as reduce-overhead", required=False),
+        PrivateAPI("torch._inductor.list_mode_options", "keeping inductor options beside a mode", required=False),
         PrivateAPI("torch._dynamo.utils.counters", "counting graph breaks and cache hits", required=False),
         PrivateAPI("torch._dynamo.utils.get_compilation_metrics", "reading recompile reasons", required=False),
         PrivateAPI("torch._dynamo.eval_frame._debug_get_cache_entry_list", "counting compiled entries", required=False),
-        PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting cudagraph trees' graphs", required=False),
+        PrivateAPI("torch._inductor.cudagraph_trees.get_manager", "counting cudagraph trees' graphs, telling their "
+                   "errors", required=False),
         PrivateAPI("torch._dynamo.maybe_mark_dynamic", "marking varying batch dims", required=False),
         PrivateAPI("torch._inductor.config.triton.cudagraph_capture_sizes", "capping graph sizes", required=False),
         PrivateAPI("torch._dynamo.eval_frame.OptimizedModule", "recognising a user-compiled network", required=False),
         PrivateAPI("torch.Tensor._is_view", "releasing a CUDA graph capture's autograd graph"),
-        PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "letting activation checkpointing's early stop "
-                   "pass through compiled regions", required=False),
+        PrivateAPI("torch.utils.checkpoint._StopRecomputationError", "checkpointing's early stop", required=False),
         PrivateAPI("torch.cuda._get_nvml_device_index", "NVML's index of a CUDA device", required=False),
         PrivateAPI("torch._foreach_copy_", "copying the gradients into a captured update's buffers in one launch"),
         PrivateAPI("torch._foreach_add_", "adding a replayed backward's gradients to those held, in one launch"),
@@ -306,7 +305,8 @@ def _check_compiled_call_impl() -> None:
     """Once per process (again after a failure): the slot exists and ``Module.__call__`` really calls what is
     installed there."""
     path = "torch.nn.Module._compiled_call_impl"
-    _get(path), _get("torch.nn.Module._call_impl")
+    _get("torch.nn.Module._call_impl")
+    _get(path)
     probe, marker = nn.Identity(), object()
     probe._compiled_call_impl = lambda *args, **kwargs: marker
     if probe(0) is not marker:
@@ -528,6 +528,22 @@ def cudagraph_tree_stats(device_index: int) -> tuple[int, int]:
     return graphs, dynamo_counters()["inductor"]["cudagraph_skips"]
 
 
+def cudagraph_trees_module() -> str | None:
+    """The name of torch's cudagraph trees' module, whose frames in a traceback tell an error of theirs from one of
+    the compiled code (:func:`~lightning_fuse.replay.raised_in_cudagraph_trees`); ``None`` where torch moved them.
+
+    Why private: the trees raise plain errors (``RuntimeError``, ``AssertionError``); only their module,
+    ``torch._inductor.cudagraph_trees`` (its ``get_manager``'s), tells where one came from. Without it (one warning)
+    no error is told apart.
+
+    Example::
+
+        >>> cudagraph_trees_module()
+        'torch._inductor.cudagraph_trees'
+    """
+    return getattr(_optional("torch._inductor.cudagraph_trees.get_manager", None), "__module__", None)
+
+
 def _tree_nodes(roots: Mapping[Any, list[Any]] | None) -> int:
     """The nodes of the trees under ``roots`` (lists of nodes, each with ``children`` alike); ``None`` (trees shut
     down) has none."""
@@ -565,12 +581,11 @@ def is_backend(name: str) -> bool:
     """
     lookup = _optional("torch._dynamo.lookup_backend", None)
     invalid = _optional("torch._dynamo.exc.InvalidBackend", None)
-    if lookup is None or invalid is None:
-        return True
-    try:
-        lookup(name)
-    except invalid:
-        return False
+    if lookup is not None and invalid is not None:
+        try:
+            lookup(name)
+        except invalid:
+            return False
     return True
 
 
@@ -655,8 +670,7 @@ def is_view(tensor: torch.Tensor) -> bool:
         >>> is_view(base), is_view(base[:2])
         (False, True)
     """
-    _get("torch.Tensor._is_view")
-    return tensor._is_view()
+    return _get("torch.Tensor._is_view")(tensor)
 
 
 def count_flops_as_a_total(counter: Any, tracker: Any, wrap: Callable[[Any, Any], Any]) -> None:

@@ -211,6 +211,10 @@ class CompiledRegion:
         self.on_return: Callable[[Any], Any] | None = None
         """Called with what each call that trains returned, which it returns in its stead (a plan under torch's
         cudagraph trees watches them: :class:`~lightning_fuse.held_outputs.OutputWatch`)."""
+        self.on_trees_failure: Callable[[str], None] | None = None
+        """Called, in place of the fallback's warning, with why a call failed in torch's cudagraph trees
+        (:func:`~lightning_fuse.replay.raised_in_cudagraph_trees`): the fit's plan hands over to the same compile
+        without them (:meth:`~lightning_fuse.plan.Plan.watch_trees_failures`); till then the region runs eagerly."""
 
     @property
     def name(self) -> str:
@@ -229,10 +233,15 @@ class CompiledRegion:
             compat.set_compiled_call_impl(self.region.module, None)
         self._installed = False
 
-    def fall_back(self, reason: str) -> None:
-        """Run this region eagerly for the rest of the run, with one warning naming it and why."""
-        if self.fallback_reason is None:
-            self.fallback_reason = reason
+    def fall_back(self, reason: str, err: BaseException | None = None) -> None:
+        """Run this region eagerly for the rest of the run, with one warning naming it and why; where ``err`` (the
+        compiled call's) came from torch's cudagraph trees, :attr:`on_trees_failure` is told instead, if set."""
+        if self.fallback_reason is not None:
+            return
+        self.fallback_reason = reason
+        if err is not None and self.on_trees_failure is not None and replay.raised_in_cudagraph_trees(err):
+            self.on_trees_failure(f"region {self.name!r} raised {reason}")
+        else:
             rank_zero_warn(f"FuseCallback: region {self.name!r} falls back to eager for the rest of the run: {reason}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -256,7 +265,7 @@ class CompiledRegion:
             raise  # torch's own signal through user code (checkpointing's early stop), not a failure
         except Exception as err:  # noqa: BLE001 - any compiler failure; a user bug re-raises from eager below
             out = compat.call_uncompiled(module, *args, **kwargs)  # raises here if the code itself is wrong
-            self.fall_back(describe_error(err))
+            self.fall_back(describe_error(err), err)
             return out
         if self.tracker.total_compiles != before:
             self._check_recompiles(evaluating=not (mode[0] and mode[1]))

@@ -138,6 +138,9 @@ class Plan:
     mode."""
     graph: GraphedModule | None = None
     """Its one CUDA graph over the network's forward and backward, if it has one."""
+    trees_failure: str | None = None
+    """Why a region's call failed in torch's cudagraph trees, once the plan watches for it
+    (:meth:`watch_trees_failures`)."""
 
     def install(self) -> None:
         """Put the plan on the model."""
@@ -156,6 +159,11 @@ class Plan:
         """Why this plan cannot work here, found cheaply before it is compiled (``None``: try it).
         ``forward_backward()`` is one forward and backward of the network on the search's inputs, unsynchronised."""
         return None
+
+    def watch_trees_failures(self) -> None:
+        """From now on a region whose call fails in torch's cudagraph trees runs eagerly without a warning of its own,
+        and :attr:`trees_failure` says why: the fit hands the plan over to the same compile without the trees at the
+        next step (:meth:`~lightning_fuse.fit.FitState.fail_plan`), as for a failure in backward."""
 
     def release(self) -> None:
         """Free what the plan holds but will not run again (a losing candidate's CUDA graphs and their memory)."""
@@ -279,6 +287,13 @@ class Regions(Plan):
     def set_evaluating(self, evaluating: bool) -> None:
         if self._tree_sizes is not None:  # evaluation's sizes are capped apart (RepeatedSizes)
             self._tree_sizes.evaluating = evaluating
+
+    def watch_trees_failures(self) -> None:
+        def note(reason: str) -> None:
+            self.trees_failure = self.trees_failure or reason
+
+        for runner in self._runners:
+            runner.on_trees_failure = note
 
     def release(self) -> None:
         if self.graph is not None:

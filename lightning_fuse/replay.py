@@ -15,7 +15,8 @@ graph's own memory (:func:`own_cublas_workspaces`): a workspace allocated before
 when torch's cudagraph trees record (a ``reduce-overhead`` trial), and the graph's next replay faults. What a capture
 leaves behind is cleared here too: the autograd graph its outputs keep alive (:func:`release_capture_graph`), and,
 after a failed capture, its stream left current and a CUDA generator that still counts it as under way
-(:func:`capture_failure_undone`).
+(:func:`capture_failure_undone`). And a failure of torch's cudagraph trees is told from one of the compiled code
+(:func:`raised_in_cudagraph_trees`).
 
 Example::
 
@@ -31,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -176,6 +178,25 @@ def release_generators() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             torch.zeros(1, device="cuda")
+
+
+def raised_in_cudagraph_trees(err: BaseException) -> bool:
+    """Whether ``err``, or an error it was raised from, came through torch's cudagraph trees: a recording or replay of
+    theirs failed (a capture that met a host sync, a recording that "observed an input tensor deallocate"), where the
+    same compile without graphs may still run; not an error of the compiled code alone, such as an input inductor
+    cannot lower, which would fail that compile too.
+
+    Example::
+
+        >>> raised_in_cudagraph_trees(RuntimeError("an input inductor cannot lower"))
+        False
+    """
+    trees = compat.cudagraph_trees_module()
+    while err is not None and trees is not None:
+        if any(frame.f_globals.get("__name__") == trees for frame, _ in traceback.walk_tb(err.__traceback__)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """Helpers for the reliability, resume, DDP, optimizer-graph, search and pattern tests: probes, a plan dropped on
-cue, a real compile-cache artifact, TensorBoard reads, a network's and an optimizer's captures and a trial timer faked
-on CPU."""
+cue, a real compile-cache artifact, TensorBoard reads, a network's and an optimizer's captures, a trial timer and a
+failure of torch's cudagraph trees faked on CPU."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import lightning_fuse
-from lightning_fuse import FuseCallback
+from lightning_fuse import FuseCallback, compat
 from lightning_fuse.graphs import GraphedModule
 from lightning_fuse.optimizer_graph import OptimizerGraph
 from lightning_fuse.optimizer_trial import EAGER, GRAPH
@@ -25,6 +25,13 @@ from tests.toy import RecordingTask, trainer
 
 PACKAGE = Path(lightning_fuse.__file__).resolve().parent
 BLOCKS = ["model.blocks.0", "model.blocks.1", "model.blocks.2"]
+
+
+def raise_as_torchs_trees(message: str) -> None:
+    """Raise from a function of torch's cudagraph trees' module, as a failed recording or replay of theirs does."""
+    namespace = {"__name__": compat.cudagraph_trees_module()}
+    exec("def record(message):\n    raise RuntimeError(message)\n", namespace)
+    namespace["record"](message)
 
 
 def raised_by_lightning_fuse(excinfo) -> bool:

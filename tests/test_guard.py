@@ -16,7 +16,7 @@ from lightning_fuse.measurement import epoch_extras, verdict
 from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
 from lightning_fuse.regions import resolve_regions
-from tests.faults import messages
+from tests.faults import messages, raise_as_torchs_trees
 from tests.test_running_guard import PlanPerStep, regions_win_on_a_fake_clock
 from tests.toy import ToyTask, trainer
 
@@ -135,6 +135,66 @@ def test_a_backward_failing_under_torchs_trees_hands_over_to_the_same_compile_wi
     assert stored.winner == "regions", "the next run starts without the trees"
     outcomes = {trial.name: trial.outcome for trial in stored.trials}
     assert outcomes["compile"].startswith("handed over at step 8: under torch's CUDA graphs, backward raised")
+
+
+def fit_whose_forward_fails(monkeypatch, fail: Callable[[], None],
+                            cache_dir) -> tuple[FuseCallback, list[str], list[float], list[str]]:  # fmt: skip
+    """:func:`fit_failing_under`'s fit, its plan ``compile`` as if under torch's trees, whose compiled forward raises
+    at step 8 (``fail()``): FuseCallback, the plan at each step's end, the losses, the warnings."""
+    regions_win_on_a_fake_clock(monkeypatch, winner="compile")
+    monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "compile", ("regions",))
+    step = [-1]
+
+    def failing_at_step_8(gm, example_inputs):
+        def run(*args):
+            if step[0] == 8 and torch.is_grad_enabled():
+                fail()
+            return gm(*args)
+
+        return run
+
+    class Steps(pl.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            step[0] = trainer.global_step
+
+    fuse = FuseCallback(backend=failing_at_step_8, cache_dir=cache_dir, eager_steps=0, verify=False)
+    probe, losses = PlanPerStep(fuse), Losses()
+    pl.seed_everything(0, verbose=False)
+    with pytest.warns(UserWarning) as record:
+        trainer([fuse, Steps(), probe, losses], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(
+            ToyTask(samples=16 * 12))
+    return fuse, probe.plans, losses.losses, [str(w.message) for w in record]
+
+
+def test_a_forward_failing_in_torchs_trees_hands_over_at_the_next_step(monkeypatch, tmp_path):
+    eager_losses = eager_fit_losses()
+    fuse, plans, losses, warned = fit_whose_forward_fails(
+        monkeypatch, lambda: raise_as_torchs_trees("CUDA error: operation not permitted when stream is capturing"),
+        tmp_path)
+    assert plans[fuse.fit.activation_step:9] == ["compile"] * (9 - fuse.fit.activation_step), "step 8 ends eagerly"
+    assert plans[9:] == ["regions"] * 3, "the same compile without the trees from the next step to the end"
+    handover = [w for w in warned if "under 'compile' failed" in w]
+    assert len(handover) == 1 and "(region 'model' raised RuntimeError: CUDA error: operation not permitted" in (
+        handover[0]) and "from step 9 the fit runs 'regions'" in handover[0]
+    assert not [w for w in warned if "falls back to eager for the rest of the run" in w], "the handover says it all"
+    assert fuse.fit.dropped is None and fuse.fit.hooks.guard.redone_steps == 0, "the forward ran on eagerly"
+    assert fuse.plan.reason.startswith("handed over from 'compile' at step 9: under torch's CUDA graphs, region "
+                                       "'model' raised RuntimeError")
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    assert fuse.fit.decision_file.load(["compile", "regions"]).winner == "regions", "the next run starts there"
+
+
+def test_a_forward_failing_in_the_compiled_code_costs_its_region_and_keeps_the_plan(monkeypatch):
+    # not the trees' failure (an input inductor cannot lower, say): the same compile without them would fail too
+    def fail():
+        raise RuntimeError("LoweringException: an input inductor cannot lower")
+
+    fuse, plans, _, warned = fit_whose_forward_fails(monkeypatch, fail, cache_dir=False)
+    assert plans[fuse.fit.activation_step:] == ["compile"] * (12 - fuse.fit.activation_step)
+    assert [w for w in warned if "region 'model' falls back to eager for the rest of the run: RuntimeError: "
+            "LoweringException" in w]  # fmt: skip
+    assert not [w for w in warned if "failed" in w and "CUDA graphs" in w]
+    assert fuse.plan.trees_failure is None
 
 
 def test_a_plan_handed_over_for_a_failure_is_dropped_when_it_fails_too(monkeypatch):

@@ -14,7 +14,7 @@ from torch import nn
 from lightning_fuse import replay
 from lightning_fuse.optimizer_graph import cuda_capture
 from lightning_fuse.replay import Replay, accumulate, writes_gradients_itself
-from tests.faults import graphed_with_twin
+from tests.faults import graphed_with_twin, raise_as_torchs_trees
 
 
 class Net(nn.Module):
@@ -224,3 +224,19 @@ def test_through_graphed_module_kept_gradients_are_never_overwritten_by_the_next
                 torch.testing.assert_close(got.grad, want.grad)
     assert graphed.replays == 4  # the first call captures, then replays
     graphed.uninstall()
+
+
+def test_an_error_is_told_to_come_from_torchs_trees_by_their_frames_also_when_wrapped():
+    with pytest.raises(RuntimeError) as trees:
+        raise_as_torchs_trees("CUDA error: operation not permitted when stream is capturing")
+    assert replay.raised_in_cudagraph_trees(trees.value)
+    with pytest.raises(ValueError) as wrapped:
+        try:
+            raise_as_torchs_trees("graph recording observed an input tensor deallocate")
+        except RuntimeError as err:
+            raise ValueError("a backend's wrapper") from err
+    assert replay.raised_in_cudagraph_trees(wrapped.value)
+    with pytest.raises(RuntimeError) as compiled:
+        raise RuntimeError("LoweringException: an input inductor cannot lower")
+    assert not replay.raised_in_cudagraph_trees(compiled.value)
+    assert not replay.raised_in_cudagraph_trees(RuntimeError("never raised"))
