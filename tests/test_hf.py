@@ -10,8 +10,10 @@ the plan, not the run, and leave the training exactly as an eager fit's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
+import pickle
 import re
 from dataclasses import dataclass
 
@@ -22,7 +24,8 @@ from torch.utils.data import DataLoader
 
 pytest.importorskip("transformers")
 
-from lightning_fuse import FuseCallback
+from lightning_fuse import FuseCallback, compat
+from lightning_fuse.kv_cache import EagerGeneration, NoCacheInTraining
 from tests.user_models import (
     BATCH,
     HFTask,
@@ -266,12 +269,6 @@ def test_a_validation_that_generates_text_generates_eagerly_and_keeps_the_plan(r
 
 
 def test_eager_generation_leaves_a_static_cache_to_hf_and_copies_with_the_module():
-    import copy
-    import pickle
-
-    from lightning_fuse import compat
-    from lightning_fuse.kv_cache import EagerGeneration
-
     class Wrapper(torch.nn.Module):  # as peft's PeftModelForCausalLM: its generate is the base model's
         def __init__(self, model: torch.nn.Module) -> None:
             super().__init__()
@@ -316,8 +313,6 @@ def test_opt_whose_dropout_is_a_function_fails_no_candidate_on_its_masks():
 
 
 def test_a_user_passing_use_cache_keeps_it():
-    from lightning_fuse.kv_cache import NoCacheInTraining
-
     model = tiny_gpt2()
     no_cache = NoCacheInTraining(model)
     no_cache.install()
@@ -333,8 +328,6 @@ def test_use_cache_is_passed_only_where_a_forward_names_it_itself_or_through_a_w
     """transformers 5's BERT classifier has ``use_cache`` on in its config and ``**kwargs`` in its forward, yet
     builds no cache: FuseCallback once said it "takes use_cache" (BERT, ESM, LayoutLM). A peft-style wrapper,
     ``forward(*args, **kwargs)`` around a causal LM, does pass it on."""
-    from lightning_fuse.kv_cache import NoCacheInTraining
-
     class Wrapper(torch.nn.Module):  # as peft's PeftModelForCausalLM
         def __init__(self, model: torch.nn.Module) -> None:
             super().__init__()
@@ -356,8 +349,6 @@ def test_the_network_compiled_whole_does_not_recompile_on_the_cache_hook():
     """``compile+graph`` compiles the network with its hooks: the hook must read nothing that changes after the
     first call (it once flipped an "announced" flag there, which recompiled the network and cost it its graph)."""
     from torch._dynamo.utils import counters
-
-    from lightning_fuse.kv_cache import NoCacheInTraining
 
     torch._dynamo.reset()
     model = tiny_gpt2()
