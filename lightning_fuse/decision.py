@@ -48,6 +48,9 @@ class Trial:
     """How many times it was installed and timed (a second time where its lead was within the noise)."""
     of_baseline: float | None = field(default=None, repr=False)
     """A side-by-side row's median over the baseline's timed around it (``None`` for the other trials)."""
+    took_s: float | None = field(default=None, repr=False)
+    """The host's seconds the trial took, its tries together: its check, compile, capture and calls (``None``:
+    not measured). What each candidate added to the fit's first search, the cold start's largest part."""
 
     def timing(self) -> str:
         """Its median, and where known its slowest call and its tries: ``   7.51 ms, slowest 52.10, 2 tries``."""
@@ -82,20 +85,27 @@ class Decision:
     timings of the baseline, named ``<candidate> beside <baseline>``, which the decision stands on."""
 
     def lines(self) -> list[str]:
-        """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40  chosen``, and the baseline's
-        second timing where there is one.
+        """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40     12.5 s  chosen`` (its median
+        call, its slowest, the seconds its trial took), and the baseline's second timing where there is one.
 
         Example::
 
             >>> again = Trial("eager again", 3.3, "after the candidates: 1.10x its first timing")
             >>> Decision("eager", [Trial("eager", 3.0, "chosen")], baseline_again=again).lines()[-1]
             'eager again     3.30 ms  after the candidates: 1.10x its first timing'
+            >>> trials = [Trial("eager", 3.0, "slower than compile", took_s=0.4), Trial("compile", 2.0, "chosen")]
+            >>> trials[1].took_s = 31.25  # the seconds a trial took, where the search measured them
+            >>> Decision("compile", trials).lines()
+            ['eager       3.00 ms      0.4 s  slower than compile', 'compile     2.00 ms     31.2 s  chosen']
         """
         shown = [*self.trials, *filter(None, [self.baseline_again]), *self.side_by_side]
         width = max(len(t.name) for t in shown)
         times = [t.timing() for t in shown]
         span = max(11, *map(len, times))
-        return [f"{t.name:<{width}} {ms:<{span}}  {t.outcome}" for t, ms in zip(shown, times)]
+        took = [f"{t.took_s:7.1f} s  " if t.took_s is not None else "" for t in shown]
+        if any(took):  # a column of its own, "took" seconds, where the search measured them
+            took = [cost or " " * 11 for cost in took]
+        return [f"{t.name:<{width}} {ms:<{span}}  {cost}{t.outcome}" for t, ms, cost in zip(shown, times, took)]
 
     def handed_over(self, successor: str, step: int, reason: str) -> Decision:
         """The decision a later run should start from, where this fit handed its winner over to ``successor`` at
@@ -199,7 +209,9 @@ class DecisionFile:
 
 def announce(decision: Decision, loggers: Sequence[Any]) -> None:
     """Print the decision once, and write it to ``loggers`` (rank zero's) as text and as scalars."""
-    how = "from the cached decision" if decision.cached else "by measurement (median ms per forward+backward)"
+    how = "from the cached decision" if decision.cached else "by measurement"
+    how += " (median ms per forward+backward" + (", seconds each trial took)" if any(
+        t.took_s is not None for t in decision.trials) else ")")
     rank_zero_info(f"FuseCallback: plan {decision.winner!r} chosen {how}:\n  " + "\n  ".join(decision.lines()))
     scalars = {f"fuse/search_ms/{t.name}": t.ms for t in decision.trials if t.ms is not None}
     for logger in loggers:

@@ -180,15 +180,15 @@ class PlanSearch:
             before = self._times[baseline.name]
             trial, after = self._trial(plan, call), self._trial(baseline, call)
             around = before + (self._times[baseline.name] if after.ms is not None else [])
-            name = f"{plan.name} beside {baseline.name}"
+            name, took_s = f"{plan.name} beside {baseline.name}", (trial.took_s or 0.0) + (after.took_s or 0.0)
             if trial.ms is None:
-                rows.append(Trial(name, outcome=trial.outcome))
+                rows.append(Trial(name, outcome=trial.outcome, took_s=took_s))
                 first.outcome = trial.outcome
                 continue
             ratio, clear = trial.ms / statistics.median(around), clearly_faster(self._times[plan.name], around)
             noise = ": within its noise" if ratio < 1 and not clear else ""
             rows.append(Trial(name, trial.ms, f"{ratio:.2f}x of {baseline.name} around it{noise}", trial.slowest,
-                              of_baseline=ratio))  # fmt: skip
+                              of_baseline=ratio, took_s=took_s))  # fmt: skip
             scores[plan.name] = (ratio, clear)
         return rows, scores
 
@@ -200,9 +200,9 @@ class PlanSearch:
             return None
         again = self._trial(self.candidates[0], call)
         if again.ms is None:
-            return Trial(f"{first.name} again", outcome=again.outcome)
+            return Trial(f"{first.name} again", outcome=again.outcome, took_s=again.took_s)
         return Trial(f"{first.name} again", again.ms, f"after the candidates: {again.ms / first.ms:.2f}x its first "
-                     "timing", slowest=again.slowest)  # fmt: skip
+                     "timing", slowest=again.slowest, took_s=again.took_s)  # fmt: skip
 
     def _beats_baseline(self, trial: Trial, trials: list[Trial]) -> bool:
         baseline = trials[0]
@@ -225,8 +225,9 @@ class PlanSearch:
     def _try(self, plan: Plan, call: Callable[[], None], trials: list[Trial]) -> Trial:
         trial = self._trial(plan, call)
         if self._ahead_within_noise(trial, trials):  # rank zero's times, so every rank agrees
+            first_s = trial.took_s or 0.0
             trial = self._trial(plan, call)  # one slow call (a graph recorded late) can turn the test: try again
-            trial.tries = 2
+            trial.tries, trial.took_s = 2, first_s + (trial.took_s or 0.0)
         return trial
 
     def _ahead_within_noise(self, trial: Trial, trials: list[Trial]) -> bool:
@@ -235,6 +236,13 @@ class PlanSearch:
         return ahead and not self._beats_baseline(trial, trials)
 
     def _trial(self, plan: Plan, call: Callable[[], None]) -> Trial:
+        """``plan``'s check, install, first calls and timed calls, as one trial, with the seconds they took."""
+        started = time.perf_counter()
+        trial = self._trial_untimed(plan, call)
+        trial.took_s = time.perf_counter() - started
+        return trial
+
+    def _trial_untimed(self, plan: Plan, call: Callable[[], None]) -> Trial:
         with warnings.catch_warnings():
             for named_in_the_trials_line in (FAILURE_TRACEBACK, GRAPH_REFUSED):
                 warnings.filterwarnings("ignore", message=named_in_the_trials_line)
