@@ -31,28 +31,31 @@ SYNC_DEBUG_PROTOTYPE = "Synchronization debug mode is a prototype feature"
 """The start of torch's warning on turning host-sync checks on, once a process (:func:`_set_sync_debug_mode`)."""
 
 
-def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None]) -> str | None:
-    """Why ``module`` compiled whole still makes the host wait for the device (``None``: it does not), found with
-    dynamo's tracing alone (the ``eager`` backend: seconds, no inductor compile).
+def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None], on_cuda: bool) -> str | None:
+    """Why ``module`` compiled whole still makes the host wait for the device (``None``: it does not, or the
+    compile itself must tell), found with dynamo's tracing alone (the ``eager`` backend: seconds, no inductor compile).
 
     ``forward_backward()`` runs one training call of the module, without synchronising. It runs twice: the first
     traces, the second runs with host syncs raising (on CUDA). A sync that dynamo traces away (an HF model's check of
     its attention mask) passes; one in the eager code between graph breaks (a TorchScript helper) is what would
-    fail a CUDA graph over the compiled network, after the costly compile.
+    fail a CUDA graph over the compiled network, after the costly compile. A sync inside the graph dynamo traced is
+    left to the compile: the ``eager`` backend runs the graph's ops one by one, where inductor may not (a tensor
+    built from a Python value in the forward, which it makes a constant: on an H200 such a sync in HF Bloom's
+    traced graph refused a graph that, compiled by inductor, synced nowhere and was captured).
 
     Example::
 
         >>> lin = torch.nn.Linear(2, 2)
-        >>> syncs_when_compiled(lin, lambda: lin(torch.ones(1, 2)).sum().backward()) is None
+        >>> syncs_when_compiled(lin, lambda: lin(torch.ones(1, 2)).sum().backward(), on_cuda=False) is None
         True
     """
-    on_cuda = any(p.is_cuda for p in module.parameters())
     installed = compat.compiled_call_impl(module)
     compat.set_compiled_call_impl(module, torch.compile(compilable_call(module), backend="eager"))
     try:
-        return _sync_on_second_call(forward_backward, on_cuda)
+        sync = _sync_on_second_call(forward_backward, on_cuda)
     finally:
         compat.set_compiled_call_impl(module, installed)
+    return None if sync is None or _raised_in_traced_graph(sync) else describe_error(sync)
 
 
 def syncs_between_regions(
@@ -83,22 +86,34 @@ def syncs_between_regions(
     handles = [handle for region in regions for handle in (region.register_forward_pre_hook(allow, prepend=True),
                region.register_forward_hook(lambda *_: _set_sync_debug_mode(modes.pop())))]  # fmt: skip
     try:
-        return _sync_on_second_call(forward_backward, on_cuda)
+        sync = _sync_on_second_call(forward_backward, on_cuda)
     finally:
         for handle in handles:
             handle.remove()
+    return describe_error(sync) if sync is not None else None
 
 
-def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) -> str | None:
+def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) -> RuntimeError | None:
     """Run ``forward_backward`` once (first calls trace, build lazy buffers), then again with host syncs raising
-    (on CUDA): the sync that raised, described, or ``None``."""
+    (on CUDA): the sync's error, or ``None``."""
     try:
         forward_backward()
         with host_syncs_raise(on_cuda):
             forward_backward()
     except RuntimeError as err:
-        return describe_error(err)
+        return err
     return None
+
+
+def _raised_in_traced_graph(err: BaseException) -> bool:
+    """Whether ``err`` was raised while a graph dynamo traced ran (a frame of its ``torch.fx.GraphModule`` is in the
+    traceback): by one of the graph's ops, not by eager code between graph breaks, which runs in frames of its own."""
+    tb = err.__traceback__
+    while tb is not None:
+        if isinstance(tb.tb_frame.f_locals.get("self"), torch.fx.GraphModule):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 @contextmanager

@@ -158,7 +158,6 @@ class Plan:
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         """Why this plan cannot work here, found cheaply before it is compiled (``None``: try it).
         ``forward_backward()`` is one forward and backward of the network on the search's inputs, unsynchronised."""
-        return None
 
     def watch_trees_failures(self) -> None:
         """From now on a region whose call fails in torch's cudagraph trees runs eagerly without a warning of its own,
@@ -383,7 +382,8 @@ class Whole(Regions):
             self.name, self.dominated_by = "compile", ("reduce-overhead", "regions", "compile+graph")
 
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
-        sync = syncs_when_compiled(self.setting.target[1], forward_backward) if self.graph is not None else None
+        on_cuda = self.setting.device.type == "cuda"
+        sync = self.graph is not None and syncs_when_compiled(self.setting.target[1], forward_backward, on_cuda)
         return f"it syncs with the host even compiled, which no capture survives ({sync})" if sync else None
 
 

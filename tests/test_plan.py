@@ -549,6 +549,59 @@ def test_a_graph_plan_is_refused_before_compiling_when_the_code_between_regions_
     assert Regions(setting, graph=False).unfit(lambda: sync.sync()) is None  # no graph, nothing to refuse
 
 
+SYNCS: list[FakeSyncDebug] = []  # the fake sync mode the op below consults, set by each test that uses it
+
+
+@torch.library.custom_op("fuse_tests::syncing_op", mutates_args=())
+def syncing_op(x: torch.Tensor) -> torch.Tensor:
+    """An op that syncs with the host when it runs (as a CUDA tensor built from a Python value does under the
+    ``eager`` backend), traced into dynamo's graph."""
+    SYNCS[-1].sync()
+    return x.clone()
+
+
+@syncing_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class Syncing(nn.Module):
+    """A network whose forward syncs once: inside dynamo's graph (``traced``), or in eager code at a graph break."""
+
+    def __init__(self, sync: FakeSyncDebug, traced: bool) -> None:
+        super().__init__()
+        self.block, self.sync, self.traced = nn.Linear(4, 4), sync, traced
+
+    def forward(self, x):
+        if self.traced:
+            return self.block(syncing_op(x))
+        torch.compiler.disable(self.sync.sync)()  # a helper dynamo does not trace (DeBERTa's TorchScript)
+        return self.block(x)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_compile_and_graph_is_refused_for_a_sync_at_a_graph_break_and_left_to_its_compile_inside_the_graph(
+    monkeypatch, traced
+):
+    """On an H200 HF Bloom's check found a sync inside its traced graph (a tensor built from a Python value, run by
+    the ``eager`` backend), which inductor's compile did not have: the graph was captured."""
+    torch._dynamo.reset()
+    SYNCS.append(FakeSyncDebug(monkeypatch))
+    try:
+        net = Syncing(SYNCS[-1], traced)
+        plan = Whole(Setting([], ("net", net), CompileOptions(backend="eager"), CUDA), None, graph=True)
+        reason = plan.unfit(lambda: net(torch.randn(2, 4)).sum().backward())
+    finally:
+        SYNCS.pop()
+        torch._dynamo.reset()
+    if traced:  # the compile decides: the trial compiles it and tries the capture
+        assert reason is None
+    else:  # the eager code between graph breaks runs inside every capture
+        assert reason == ("it syncs with the host even compiled, which no capture survives "
+                          "(RuntimeError: called a synchronizing CUDA operation)")  # fmt: skip
+    assert "_compiled_call_impl" not in vars(net) or net._compiled_call_impl is None, "the check's compile is gone"
+
+
 def test_graphs_over_a_model_whose_parameters_got_new_storage_between_epochs_are_captured_again(caplog):
     """Lightning's ModelPruning renames each pruned ``weight`` (``weight_orig`` and a mask buffer) and, with its
     lottery-ticket reset, gives the parameters new storage (``param.data = ...``) at an epoch's end; a graph
