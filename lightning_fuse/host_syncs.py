@@ -32,16 +32,17 @@ SYNC_DEBUG_PROTOTYPE = "Synchronization debug mode is a prototype feature"
 
 
 def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None], on_cuda: bool) -> str | None:
-    """Why ``module`` compiled whole still makes the host wait for the device (``None``: it does not, or the
-    compile itself must tell), found with dynamo's tracing alone (the ``eager`` backend: seconds, no inductor compile).
+    """Why ``module`` compiled whole still makes the host wait for the device (``None``: it does not), found with
+    dynamo's tracing alone (the ``eager`` backend: seconds, no inductor compile).
 
     ``forward_backward()`` runs one training call of the module, without synchronising. It runs twice: the first
     traces, the second runs with host syncs raising (on CUDA). A sync that dynamo traces away (an HF model's check of
     its attention mask) passes; one in the eager code between graph breaks (a TorchScript helper) is what would
-    fail a CUDA graph over the compiled network, after the costly compile. A sync inside the graph dynamo traced is
-    left to the compile: the ``eager`` backend runs the graph's ops one by one, where inductor may not (a tensor
-    built from a Python value in the forward, which it makes a constant: on an H200 such a sync in HF Bloom's
-    traced graph refused a graph that, compiled by inductor, synced nowhere and was captured).
+    fail a CUDA graph over the compiled network, after the costly compile. A sync inside the traced graph refuses it
+    too, though inductor may compile it away (a tensor built from a Python value): the first sync stops the check,
+    and one behind it may not go away. On an H200 HF DeBERTa-v2's first sync was such a tensor in its traced graph,
+    and its inductor-compiled network then failed the capture in a TorchScript helper between graph breaks (59 s of
+    compile spent); HF Bloom's compiled network synced nowhere alone, yet failed inside FuseCallback's capture.
 
     Example::
 
@@ -55,7 +56,7 @@ def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None],
         sync = _sync_on_second_call(forward_backward, on_cuda)
     finally:
         compat.set_compiled_call_impl(module, installed)
-    return None if sync is None or _raised_in_traced_graph(sync) else describe_error(sync)
+    return describe_error(sync) if sync is not None else None
 
 
 def syncs_between_regions(
@@ -103,17 +104,6 @@ def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) ->
     except RuntimeError as err:
         return err
     return None
-
-
-def _raised_in_traced_graph(err: BaseException) -> bool:
-    """Whether ``err`` was raised while a graph dynamo traced ran (a frame of its ``torch.fx.GraphModule`` is in the
-    traceback): by one of the graph's ops, not by eager code between graph breaks, which runs in frames of its own."""
-    tb = err.__traceback__
-    while tb is not None:
-        if isinstance(tb.tb_frame.f_locals.get("self"), torch.fx.GraphModule):
-            return True
-        tb = tb.tb_next
-    return False
 
 
 @contextmanager
