@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -96,12 +97,16 @@ def syncs_between_regions(
 
 def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) -> RuntimeError | None:
     """Run ``forward_backward`` once (first calls trace, build lazy buffers), then again with host syncs raising
-    (on CUDA): the sync's error, or ``None``."""
+    (on CUDA): the sync's error, or ``None``. The error's frames are cleared: raised through a context manager, it
+    made a reference cycle that held the half-built autograd graph until Python's next collection, autograd nodes
+    of the default stream which a later capture may meet (when HF Bloom's capture failed after this check on an
+    H200, torch warned of "an AccumulateGrad node created prior to the current iteration being kept alive")."""
     try:
         forward_backward()
         with host_syncs_raise(on_cuda):
             forward_backward()
     except RuntimeError as err:
+        traceback.clear_frames(err.__traceback__)
         return err
     return None
 

@@ -5,6 +5,7 @@ eagerly (so kwargs, pytree outputs and the rebuild are exercised), or disturbs t
 """
 
 import copy
+import gc
 import warnings
 from dataclasses import dataclass, replace
 
@@ -598,6 +599,41 @@ def test_compile_and_graph_is_refused_before_its_compile_for_a_sync_at_a_graph_b
     assert reason == ("it syncs with the host even compiled, which no capture survives "
                       "(RuntimeError: called a synchronizing CUDA operation)")  # fmt: skip
     assert "_compiled_call_impl" not in vars(net) or net._compiled_call_impl is None, "the check's compile is gone"
+
+
+class HalfRun(nn.Module):
+    """A network whose forward syncs half way, after its first layer built part of the autograd graph."""
+
+    def __init__(self, sync: FakeSyncDebug) -> None:
+        super().__init__()
+        self.first, self.second, self.sync = nn.Linear(4, 4), nn.Linear(4, 4), sync
+
+    def forward(self, x):
+        h = self.first(x)
+        self.sync.sync()
+        return self.second(h)
+
+
+@pytest.mark.parametrize("plan", ["regions+graph", "compile+graph"])
+def test_a_host_sync_check_that_raised_half_way_leaves_no_autograd_graph_alive(monkeypatch, plan):
+    """Its half-built graph stayed in a reference cycle until Python's next collection, holding autograd nodes of
+    the parameters made on the default stream, which a later capture on its own stream may meet (torch warned of
+    "an AccumulateGrad node created prior to the current iteration being kept alive" when HF Bloom's capture failed
+    after this check on an H200)."""
+    torch._dynamo.reset()
+    sync = FakeSyncDebug(monkeypatch)
+    net = HalfRun(sync)
+    setting = Setting([Region("second", net.second)], ("net", net), CompileOptions(backend="eager"), CUDA)
+    candidate = Regions(setting, graph=True) if plan == "regions+graph" else Whole(setting, None, graph=True)
+    gc.disable()  # only references count: what a collection would free later is what the capture meets
+    try:
+        reason = candidate.unfit(lambda: net(torch.randn(2, 4)).sum().backward())
+        alive = [o for o in gc.get_objects() if type(o) is torch.Tensor and o.grad_fn is not None]
+    finally:
+        gc.enable()
+        torch._dynamo.reset()
+    assert reason is not None and "synchronizing" in reason
+    assert alive == []
 
 
 def test_graphs_over_a_model_whose_parameters_got_new_storage_between_epochs_are_captured_again(caplog):
