@@ -210,9 +210,9 @@ class DecisionFile:
 def announce(decision: Decision, loggers: Sequence[Any]) -> None:
     """Print the decision once, and write it to ``loggers`` (rank zero's) as text and as scalars."""
     how = "from the cached decision" if decision.cached else "by measurement"
-    how += " (median ms per forward+backward" + (", seconds each trial took)" if any(
-        t.took_s is not None for t in decision.trials) else ")")
-    rank_zero_info(f"FuseCallback: plan {decision.winner!r} chosen {how}:\n  " + "\n  ".join(decision.lines()))
+    seconds = ", seconds each trial took" if any(t.took_s is not None for t in decision.trials) else ""
+    rank_zero_info(f"FuseCallback: plan {decision.winner!r} chosen {how} (median ms per forward+backward{seconds}):"
+                   "\n  " + "\n  ".join(decision.lines()))
     scalars = {f"fuse/search_ms/{t.name}": t.ms for t in decision.trials if t.ms is not None}
     for logger in loggers:
         logger.log_metrics(scalars, step=0)

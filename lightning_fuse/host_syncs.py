@@ -43,7 +43,8 @@ def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None],
     too, though inductor may compile it away (a tensor built from a Python value): the first sync stops the check,
     and one behind it may not go away. On an H200 HF DeBERTa-v2's first sync was such a tensor in its traced graph,
     and its inductor-compiled network then failed the capture in a TorchScript helper between graph breaks (59 s of
-    compile spent); HF Bloom's compiled network synced nowhere alone, yet failed inside FuseCallback's capture.
+    compile spent); HF Bloom's network compiled by inductor synced nowhere in a probe, yet failed FuseCallback's
+    capture after this check.
 
     Example::
 

@@ -77,7 +77,7 @@ def test_the_fastest_candidate_wins_and_every_trial_is_reported():
     assert not any(plan.installed for plan in plans)  # the search leaves nothing installed
 
 
-def test_each_trial_says_the_seconds_it_took_its_compile_included_and_its_tries_together(monkeypatch):
+def test_each_trial_says_the_seconds_it_took_its_compile_included_and_its_tries_together():
     """The cold search's cost, candidate by candidate: a DeBERTa's cold start on an H200 took 1.56x the one line's,
     and the trial lines did not say where."""
 
@@ -93,7 +93,7 @@ def test_each_trial_says_the_seconds_it_took_its_compile_included_and_its_tries_
     assert regions.tries == 2, "ahead within its noise, so timed twice"
     assert regions.took_s >= 0.1 > eager.took_s, "two installs of 0.05 s; eager installs nothing"
     assert decision.baseline_again.took_s is not None
-    assert re.fullmatch(r"regions +1\.00 ms, slowest 12\.00, 2 tries +0\.1 s  .+", decision.lines()[1])
+    assert re.fullmatch(r"regions +1\.00 ms, slowest 12\.00, 2 tries +\d+\.\d s  .+", decision.lines()[1])
     assert Decision.from_json(decision.to_json()).trials[1].took_s == regions.took_s
 
 
