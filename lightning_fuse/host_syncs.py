@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,10 +54,9 @@ def syncs_when_compiled(module: nn.Module, forward_backward: Callable[[], None],
     installed = compat.compiled_call_impl(module)
     compat.set_compiled_call_impl(module, torch.compile(compilable_call(module), backend="eager"))
     try:
-        sync = _sync_on_second_call(forward_backward, on_cuda)
+        return _sync_on_second_call(forward_backward, on_cuda)
     finally:
         compat.set_compiled_call_impl(module, installed)
-    return describe_error(sync) if sync is not None else None
 
 
 def syncs_between_regions(
@@ -89,26 +87,25 @@ def syncs_between_regions(
     handles = [handle for region in regions for handle in (region.register_forward_pre_hook(allow, prepend=True),
                region.register_forward_hook(lambda *_: _set_sync_debug_mode(modes.pop())))]  # fmt: skip
     try:
-        sync = _sync_on_second_call(forward_backward, on_cuda)
+        return _sync_on_second_call(forward_backward, on_cuda)
     finally:
         for handle in handles:
             handle.remove()
-    return describe_error(sync) if sync is not None else None
 
 
-def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) -> RuntimeError | None:
+def _sync_on_second_call(forward_backward: Callable[[], None], on_cuda: bool) -> str | None:
     """Run ``forward_backward`` once (first calls trace, build lazy buffers), then again with host syncs raising
-    (on CUDA): the sync's error, or ``None``. The error's frames are cleared: raised through a context manager, it
-    made a reference cycle that held the half-built autograd graph until Python's next collection, autograd nodes
-    of the default stream which a later capture may meet (when HF Bloom's capture failed after this check on an
-    H200, torch warned of "an AccumulateGrad node created prior to the current iteration being kept alive")."""
+    (on CUDA): the sync that raised, described, or ``None``. Only its description leaves the ``except``: the error
+    itself, raised through a context manager, is in a reference cycle that holds the half-built autograd graph until
+    Python's next collection, autograd nodes of the default stream which a later capture may meet (when this check
+    returned the error, HF Bloom's capture after it failed on an H200, and torch warned of "an AccumulateGrad node
+    created prior to the current iteration being kept alive")."""
     try:
         forward_backward()
         with host_syncs_raise(on_cuda):
             forward_backward()
     except RuntimeError as err:
-        traceback.clear_frames(err.__traceback__)
-        return err
+        return describe_error(err)
     return None
 
 

@@ -616,9 +616,10 @@ class HalfRun(nn.Module):
 
 @pytest.mark.parametrize("plan", ["regions+graph", "compile+graph"])
 def test_a_host_sync_check_that_raised_half_way_leaves_no_autograd_graph_alive(monkeypatch, plan):
-    """Its half-built graph stayed in a reference cycle until Python's next collection, holding autograd nodes of
-    the parameters made on the default stream, which a later capture on its own stream may meet (torch warned of
-    "an AccumulateGrad node created prior to the current iteration being kept alive" when HF Bloom's capture failed
+    """Where the check returned the sync's error rather than its description (5c35912 to 435c0c9), the error's
+    reference cycle kept the half-built graph until Python's next collection, holding autograd nodes of the
+    parameters made on the default stream, which a later capture on its own stream may meet (torch warned of "an
+    AccumulateGrad node created prior to the current iteration being kept alive" when HF Bloom's capture failed
     after this check on an H200)."""
     torch._dynamo.reset()
     sync = FakeSyncDebug(monkeypatch)
