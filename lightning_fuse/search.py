@@ -16,8 +16,9 @@ measures, a candidate that fails on any rank is dropped on all, and rank zero's 
 the machine's own speed moved while the others were tried. Where it moved by more than :data:`DRIFT_LIMIT`, the
 comparisons with the first timing are void, and each timed candidate is timed again between two timings of the
 baseline (``side by side``): the winner is the candidate clearly faster than the baseline around it by the largest
-factor, or the baseline. The decision can be stored with the compile cache, so a warm run goes straight to the winner
-(:mod:`~lightning_fuse.decision`).
+factor, or the baseline. Either way a candidate wins over one tried before it (more promising) only where its own
+calls ran clearly faster than that one's. The decision can be stored with the compile cache, so a warm run goes
+straight to the winner (:mod:`~lightning_fuse.decision`).
 
 Example::
 
@@ -164,7 +165,7 @@ class PlanSearch:
             self._times[self.candidates[0].name] = first_times  # judged as the skips were: on the first timing
             timed = (t for t in trials if t.ms is not None)
             scores = {t.name: (t.ms, t is trials[0] or self._beats_baseline(t, trials)) for t in timed}
-        return Decision(_judge(trials, scores), trials, baseline_again=again, side_by_side=side_by_side)
+        return Decision(_judge(trials, scores, self._times), trials, baseline_again=again, side_by_side=side_by_side)
 
     def _side_by_side(self, call: Callable[[], None], trials: list[Trial]) -> tuple[list[Trial], dict[str, Score]]:
         """Each timed candidate again, then the baseline after it (its second timing stands before the first), so
@@ -301,20 +302,27 @@ class PlanSearch:
         return None
 
 
-def _judge(trials: list[Trial], scores: dict[str, Score]) -> str:
-    """The winner, and each scored trial's outcome: the lowest score among the baseline (``trials[0]``) and the
-    candidates clearly faster than it, or where none of those was scored, the lowest of all."""
+def _judge(trials: list[Trial], scores: dict[str, Score], times: dict[str, list[float]]) -> str:
+    """The winner, and each scored trial's outcome. Of the candidates clearly faster than the baseline
+    (``trials[0]``), the one with the lowest score wins, unless one tried before it, more promising, ran within its
+    noise (``times``: each one's last timed calls): then that one does; where none is clearly faster, the baseline
+    (where it was not scored, the lowest score of all)."""
     if not scores:
         return trials[0].name
-    eligible = [name for name, (_, clear) in scores.items() if clear] or list(scores)
-    winner = min(eligible, key=lambda name: scores[name][0])
+    baseline = trials[0].name
+    ahead = [t.name for t in trials[1:] if scores.get(t.name, (0.0, False))[1]]  # clearly faster than the baseline
+    if ahead:
+        fastest = min(ahead, key=lambda name: scores[name][0])
+        winner = next(name for name in ahead if not clearly_faster(times[fastest], times[name]))
+    else:
+        winner = baseline if baseline in scores else min(scores, key=lambda name: scores[name][0])
     for trial in (t for t in trials if t.name in scores):
-        score, clear = scores[trial.name]
         trial.outcome = "chosen" if trial.name == winner else f"slower than {winner}"
-        if not clear and score < scores[winner][0]:
-            trial.outcome = f"not clearly faster than {trials[0].name}: within its noise"
+        if trial.name not in (winner, baseline) and scores[trial.name][0] < scores[winner][0]:
+            trial.outcome = (f"not clearly faster than {winner}, tried first: within its noise" if trial.name in ahead
+                             else f"not clearly faster than {baseline}: within its noise")  # fmt: skip
         if trial.ms is None:  # skipped at first, then timed beside the baseline: its time is on that line
-            trial.outcome += f" (timed beside {trials[0].name} only)"
+            trial.outcome += f" (timed beside {baseline} only)"
     return winner
 
 

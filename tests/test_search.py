@@ -447,6 +447,25 @@ def test_where_the_machine_drifted_each_candidate_is_judged_beside_the_baseline_
     assert old.baseline_again is None and old.side_by_side == [], "a decision stored by an earlier version"
 
 
+def test_a_candidate_ahead_only_within_the_noise_of_one_tried_before_it_does_not_win():
+    """HF DeBERTa-v2 on an H200: beside eager, reduce-overhead ran 22.84 ms (0.45x of the eager around it) and
+    regions+trees 24.01 (0.44x: eager around it ran slower), and regions+trees won on its ratio; the fit ran 26.09 ms
+    a step where the reduce-overhead one-liner ran 23.11. A later candidate must be clearly faster than an earlier
+    one, in their own calls, to be chosen over it."""
+    clock = Clock()
+    plans = [Drifting("eager", 40, clock, 1.12), Timed("reduce-overhead", 22.8, clock),
+             Timed("regions+trees", 24, clock)]  # fmt: skip
+    decision = run(plans, clock)  # eager: 40 ms, again 44.8, then 50.2 after reduce-overhead, 56.2 after the other
+    ratios = [row.of_baseline for row in decision.side_by_side]
+    assert ratios[1] < ratios[0], "beside eager, regions+trees has the better ratio"
+    assert decision.winner == "reduce-overhead", "yet it ran slower than reduce-overhead, which was tried first"
+    assert decision.trials[2].outcome == "not clearly faster than reduce-overhead, tried first: within its noise"
+    steady = [Timed("eager", 10, clock), Timed("graph", [5.0, 5.2, 4.9, 5.1, 5.3], clock),
+              Timed("reduce-overhead", [4.95, 5.15, 4.85, 5.05, 5.2], clock), Timed("compile", 4.0, clock)]
+    assert run(steady[:3], clock).winner == "graph", "reduce-overhead's median is lower, within graph's noise"
+    assert run(steady, clock).winner == "compile", "clearly faster than both: a later candidate wins so"
+
+
 def test_where_the_machine_drifted_a_candidate_skipped_for_a_plan_that_lost_beside_eager_is_timed_beside_it():
     """HF ESM and LayoutLM on a busy CPU: regions beat eager's first timing (a slow one), so compile was skipped;
     beside eager regions was slower, eager was kept, and compile was never timed."""
