@@ -40,8 +40,8 @@ class Trial:
     name: str
     ms: float | None = None
     outcome: str = "not tried"
-    """``chosen``, ``slower than <winner>``, ``not clearly faster than <baseline>: within its noise``,
-    ``failed: <reason>`` or ``skipped: <reason>``."""
+    """``chosen``, ``slower than <winner>``, ``not clearly faster than <baseline>: within its noise``, ``not
+    clearly faster than <winner>, tried first: within its noise``, ``failed: <reason>`` or ``skipped: <reason>``."""
     slowest: float | None = field(default=None, repr=False)
     """Its slowest timed call, ms: one slow call can hide a lead from the search's test."""
     tries: int = field(default=1, repr=False)

@@ -41,7 +41,7 @@ from tests.user_models import (
     tiny_opt,
 )
 
-OUTCOME = re.compile(r"(chosen|slower than \S+|not clearly faster than \S+: within its noise)"
+OUTCOME = re.compile(r"(chosen|slower than \S+|not clearly faster than \S+?(, tried first)?: within its noise)"
                      r"( \(timed beside eager only\))?|failed: .+|skipped: .+")
 MODELS = {
     "gpt2": lambda: HFTask(tiny_gpt2()),
