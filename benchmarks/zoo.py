@@ -40,6 +40,10 @@ DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM)}
 VARIANTS = (*models.VARIANTS, *DERIVED)
 ONE_LINERS = ("compile", "reduce_overhead", "regional")
 """The variants a user gets with one line of ``torch.compile``: what ``fuse`` is held to."""
+APART = "*"
+"""Marks a ratio whose two rows come from different calls (their ``run_started`` differ): the machines drift by
+5-20% between calls, so such a ratio is not side by side (HF Bloom's ``reduce_overhead`` cold setup read 33.9 s in
+one H200 session and 38.2 s in the next)."""
 MEAN_OFF = "‡"
 """Marks a best one-liner whose mean step (``step_ms_mean``) is slower than eager's median step: its median hides
 steps that re-record CUDA graphs (HF Wav2Vec2 under ``reduce-overhead`` on an H200: median 23.4 ms, mean 141)."""
@@ -79,7 +83,7 @@ def checks(records: list[dict]) -> str:
     over its cold one (at most 0.25; ``reduce_overhead``'s own in brackets), and the fits that crashed (an error
     that is not a skip, named). A ratio whose two sides were not both measured is left out. A best one-liner whose
     mean step is slower than eager's is marked :data:`MEAN_OFF` and named with its mean (the check still holds fuse
-    to its median).
+    to its median). A ratio whose two rows come from different calls is marked :data:`APART`.
 
     Example::
 
@@ -106,6 +110,8 @@ mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in
                 f"{harness.passing(ratios['warm'], 0.25)}.")  # fmt: skip
     off = [case["mean_off"] for case in judged if case["mean_off"]]
     verdicts += f" {MEAN_OFF} The best one-liner's mean step is slower than eager's: {', '.join(off)}." if off else ""
+    apart = sum(case["apart"] for case in judged)
+    verdicts += f" {APART} {apart} ratios pair rows of different calls, not side by side." if apart else ""
     header = ("| model | batch | eager ms | best one-liner ms | fuse ms | plan | over eager | over best | cold over "
               "reduce-overhead's | warm over cold |")  # fmt: skip
     return harness.checks_report(header, "|---|---:|---:|---|---:|---|---:|---:|---:|---:|", judged, crashes, verdicts)
@@ -127,16 +133,23 @@ def _case_checks(model: str, batch: int, variants: dict[str, dict]) -> dict | No
              "over_best": ratio(fuse["step_ms"], best and best["step_ms"]),
              "cold": ratio(fuse.get("setup_s_cold"), ro and ro.get("setup_s_cold")),
              "warm": ratio(fuse.get("setup_s_warm"), fuse.get("setup_s_cold"))}  # fmt: skip
+    sides = {"over_eager": eager, "over_best": best, "cold": ro}
+    apart = {name: _apart(fuse, sides[name]) and found[name] is not None for name in sides}
     figure = harness.figure
     mean = best and best.get("step_ms_mean")
     mean_off = mean is not None and eager is not None and mean > eager["step_ms"]
     cells = [model, batch, figure(eager and eager["step_ms"]),
              f"{figure(best['step_ms'])}{MEAN_OFF if mean_off else ''} ({best['variant']})" if best else "-",
              figure(fuse["step_ms"]),
-             fuse.get("plan") or "-", *(figure(found[name]) for name in ("over_eager", "over_best", "cold")),
+             fuse.get("plan") or "-", *(figure(found[name]) + (APART if apart[name] else "") for name in sides),
              figure(found["warm"]) + (f" ({ro_warm:.2f})" if ro_warm is not None else "")]  # fmt: skip
     off = f"{model} at {batch}, {best['variant']} {mean:.1f} ms against {eager['step_ms']:.1f}" if mean_off else None
-    return {**found, "mean_off": off, "line": "| " + " | ".join(map(str, cells)) + " |"}
+    return {**found, "mean_off": off, "apart": sum(apart.values()), "line": "| " + " | ".join(map(str, cells)) + " |"}
+
+
+def _apart(row: dict, other: dict | None) -> bool:
+    """Whether two rows come from different calls (``run_started``; rows without one are taken as one call's)."""
+    return other is not None and row.get("run_started", "") != other.get("run_started", "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,6 +171,23 @@ def test_zoo_checks_mark_a_best_one_liner_whose_mean_step_is_slower_than_eager()
     assert "‡" not in zoo.checks(records), "a mean faster than eager's: no mark"
 
 
+def test_zoo_checks_mark_a_ratio_whose_rows_come_from_different_calls() -> None:
+    """HF Bloom on an H200: the table paired one session's cold `fuse` setup (43.5 s) with the next session's
+    `reduce_overhead` one (38.2 s, 33.9 the session before): 1.14, read as if side by side."""
+    import zoo
+
+    def row(variant: str, when: str, **fields: Any) -> dict:
+        return {"model": "b", "batch_size": 8, "variant": variant, "step_ms": 10.0, "run_started": when, **fields}
+
+    records = [row("eager", "2026-11-29T18:00", step_ms=40.0), row("fuse", "2026-11-29T18:00", setup_s_cold=43.5),
+               row("reduce_overhead", "2026-11-29T20:00", setup_s_cold=38.2)]  # fmt: skip
+    lines = zoo.checks(records).splitlines()
+    assert lines[2] == "| b | 8 | 40.00 | 10.00 (reduce_overhead) | 10.00 | - | 0.25 | 1.00* | 1.14* | - |"
+    assert lines[-1].endswith(" * 2 ratios pair rows of different calls, not side by side.")
+    records[2]["run_started"] = "2026-11-29T18:00"
+    assert "*" not in zoo.checks(records), "one call: side by side"
+
+
 def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_unbucketed_fits(tmp_path, capsys):
     """The checks also mark a one line whose final loss missed eager's, naming both losses; it still holds fuse."""
     import patterns
