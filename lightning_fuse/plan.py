@@ -393,13 +393,10 @@ class RegionTrees(Regions):
     cannot be captured (a host sync outside the regions, checkpointing's recomputation): the regions' launches are
     still replayed, what syncs runs eagerly between them.
 
-    ``reduce-overhead`` rules it out only where it ran clearly faster than eager: where a graph over the network
-    fails, the whole network's compile breaks at the same sync, into pieces cut where dynamo stopped rather than at
-    the repeated blocks, and those pieces can run no faster than eager. An H100's Mixtral MoE ran 67.4 ms a step
-    under this plan, warm-started in 12.8 s; under ``reduce-overhead`` (no faster than eager's 69.6) it ran 71.4 ms
-    and warm-started in 63.8 s. Where ``reduce-overhead`` ran clearly faster than eager, this plan never won: of 16
-    such searches on the H100 and H200 (Bloom, DeBERTa-v2, Llama), it ran slower in 15 (by 2-81%) and within the
-    noise in one, and each trial cost 5-10 s of a cold start (``benchmarks/RESULTS.md``).
+    ``reduce-overhead`` does not rule it out: where a graph over the network fails, the whole network's compile
+    breaks at the same sync, into pieces cut where dynamo stopped rather than at the repeated blocks, and its warm
+    start compiles each piece again. An H100's Mixtral MoE ran 67.4 ms a step under this plan, warm-started in
+    12.8 s; under ``reduce-overhead`` it ran 71.4 ms and warm-started in 63.8 s (``benchmarks/RESULTS.md``).
 
     Example::
 
@@ -416,7 +413,7 @@ class RegionTrees(Regions):
         options = replace(setting.options, mode="reduce-overhead")
         super().__init__(replace(setting, options=options), graph=False)
         self.name = "regions+trees"
-        self.dominated_by = ("compile+graph", "reduce-overhead")
+        self.dominated_by = ("compile+graph",)
 
 
 class UserCompiled(Plan):

@@ -251,28 +251,19 @@ def test_a_fallback_candidate_is_tried_only_where_the_plan_it_replaces_failed(gr
     assert left_out.outcome == "skipped: a fallback for regions+graph, which was left out"
 
 
-@pytest.mark.parametrize("reduce_overhead_ms", [11, 6])
-def test_regions_under_torchs_graphs_compete_only_where_reduce_overhead_ran_no_faster_than_eager(reduce_overhead_ms):
-    """A network whose graph fails on a host sync breaks at that sync when compiled whole too, and its pieces can run
-    no faster than eager: then regions+trees is tried (an H100's Mixtral: 67.4 against reduce-overhead's 71.4 ms a
-    step and eager's 69.6, a warm start of 12.8 against 63.8 s). Where reduce-overhead ran clearly faster than eager,
-    regions+trees never beat it on the GPUs (15 of 16 searches slower, one within the noise) and cost 5-10 s of a cold
-    start: it is skipped."""
+def test_regions_under_torchs_graphs_compete_with_reduce_overhead_where_both_graph_plans_failed():
+    """A network whose graph fails on a host sync breaks at that sync when compiled whole too: reduce-overhead then
+    does not do all that regions+trees does (an H100's Mixtral: 67.4 against 71.4 ms a step, a warm start of 12.8
+    against 63.8 s), so it does not skip it; one graph over the compiled network still does."""
     task = ToyTask()
     setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(), torch.device("cuda"))
     dominated_by = {plan.name: plan.dominated_by for plan in candidates(setting)}
     clock = Clock()
     plans = [Timed("eager", 10, clock), Timed("regions+graph", 2, clock, fails=True),
              Timed("compile+graph", 2, clock, fails=True, dominated_by=dominated_by["compile+graph"]),
-             Timed("reduce-overhead", reduce_overhead_ms, clock, dominated_by=dominated_by["reduce-overhead"]),
+             Timed("reduce-overhead", 6, clock, dominated_by=dominated_by["reduce-overhead"]),
              Timed("regions+trees", 5, clock, tried_after="regions+graph", dominated_by=dominated_by["regions+trees"])]
-    decision = run(plans, clock)
-    trees = decision.trials[4]
-    if reduce_overhead_ms > 10:
-        assert decision.winner == "regions+trees" and trees.ms == pytest.approx(5.0)
-    else:
-        assert decision.winner == "reduce-overhead" and trees.ms is None
-        assert trees.outcome == "skipped: reduce-overhead does what it does and ran faster than eager"
+    assert run(plans, clock).winner == "regions+trees"
     assert "compile+graph" in dominated_by["regions+trees"]
 
 
