@@ -480,6 +480,20 @@ def test_where_the_machine_drifted_a_candidate_skipped_for_a_plan_that_lost_besi
     assert decision.trials[2].ms is None, "its row has no time of its own (HF StableLM read 'compile  slower')"
 
 
+def test_where_the_machine_drifted_a_candidate_slower_than_both_timings_of_the_baseline_is_not_timed_again():
+    """HF Wav2Vec2 on an H200: eager's two timings read 39.17 and 27.19 ms; reduce-overhead, re-recording its graphs
+    at each call, ran 475.95 ms and regions+trees 244.69, and timing them again beside eager cost 3.4 s of the cold
+    start. No drift the search saw makes them faster than eager: only the candidates within reach are timed again."""
+    clock = Clock()
+    plans = [Drifting("eager", 40, clock, 0.7), Timed("reduce-overhead", 476, clock), Timed("regions+trees", 43, clock),
+             Timed("compile", 10, clock)]  # fmt: skip
+    decision = run(plans, clock)  # eager: 40 ms, then 28 again, 19.6 after regions+trees, 13.72 after compile
+    assert [t.name for t in decision.side_by_side] == ["regions+trees beside eager", "compile beside eager"]
+    assert decision.trials[1].outcome == "slower than eager: 11.90x its slower timing, not timed again"
+    assert decision.trials[2].outcome == "slower than compile", "1.075x of eager's slower timing: timed again"
+    assert decision.winner == "compile"
+
+
 def test_the_kept_eager_verdict_quotes_the_timings_the_decision_stood_on():
     """A tiny HF Mixtral on CPU: eager's first timing read 988.9 ms, compile's 15.2; beside eager, timed again
     around it, compile ran 1.79x of eager and eager was kept, but the verdict said compile "ran at 65.26x". Its
@@ -509,7 +523,7 @@ def test_beside_the_baseline_a_lead_within_the_noise_or_a_failure_keeps_the_base
     decision = run(plans, clock)  # eager 100, then 80 and 64 (median 72): compile's calls (median 60) straddle them
     assert decision.winner == "eager" and decision.trials[0].outcome == "chosen"
     assert decision.baseline_again.outcome == ("after the candidates: 0.80x its first timing, outside 0.91-1.10x: "
-                                               "each candidate timed again beside it"), "slower or faster: both count"
+                                               "the candidates timed again beside it"), "slower or faster: both count"
     assert decision.side_by_side[0].outcome == "0.83x of eager around it: within its noise"
     assert decision.trials[1].outcome == "not clearly faster than eager: within its noise"
 
