@@ -397,9 +397,9 @@ class RegionTrees(Regions):
     breaks at the same sync, into pieces cut where dynamo stopped rather than at the repeated blocks, and its warm
     start compiles each piece again. An H100's Mixtral MoE ran 67.4 ms a step under this plan, warm-started in
     12.8 s; under ``reduce-overhead`` it ran 71.4 ms and warm-started in 63.8 s (``benchmarks/RESULTS.md``). Not
-    even where ``reduce-overhead`` ran clearly faster than eager: an H200's Mixtral search once timed it at 0.89x of
-    eager, and with this plan skipped there (tried at 21ca481, reverted) the fit ran ``reduce-overhead`` at 64.3 ms
-    a step and warm-started in 56.5 s, 0.82 of its cold start.
+    even where ``reduce-overhead`` ran clearly faster than eager: two H200 Mixtral searches timed it at 0.80x and
+    0.89x of eager, and with this plan skipped there (tried at 21ca481, reverted) one fit ran ``reduce-overhead`` at
+    64.3 ms a step and warm-started in 56.5 s, 0.82 of its cold start.
 
     Example::
 

@@ -254,8 +254,9 @@ def test_a_fallback_candidate_is_tried_only_where_the_plan_it_replaces_failed(gr
 def test_regions_under_torchs_graphs_compete_with_reduce_overhead_where_both_graph_plans_failed():
     """A network whose graph fails on a host sync breaks at that sync when compiled whole too: reduce-overhead then
     does not do all that regions+trees does (an H100's Mixtral: 67.4 against 71.4 ms a step, a warm start of 12.8
-    against 63.8 s), so it does not skip it, even where it ran clearly faster than eager (an H200's Mixtral: 0.89x of
-    eager, and the fit that skipped regions+trees warm-started in 56.5 s); one graph over the compiled network does."""
+    against 63.8 s), so it does not skip it, even where it ran clearly faster than eager (H200 Mixtral searches:
+    0.80x and 0.89x of eager, and a fit that skipped regions+trees warm-started in 56.5 s); one graph over the
+    compiled network does."""
     task = ToyTask()
     setting = Setting(resolve_regions(task, "auto", ()), graph_target(task), CompileOptions(), torch.device("cuda"))
     dominated_by = {plan.name: plan.dominated_by for plan in candidates(setting)}
