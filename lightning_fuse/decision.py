@@ -82,8 +82,8 @@ class Decision:
     the machine's own speed moved while they were tried, which the comparisons with its first timing cannot see."""
     side_by_side: list[Trial] = field(default_factory=list)
     """Where the machine's speed moved beyond the search's limit: the timed candidates timed again between two
-    timings of the baseline (not one slower than both by more than the limit), named ``<candidate> beside
-    <baseline>``, which the decision stands on."""
+    timings of the baseline (not one far slower than both), named ``<candidate> beside <baseline>``, which the
+    decision stands on."""
 
     def lines(self) -> list[str]:
         """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40     12.5 s  chosen`` (its median
