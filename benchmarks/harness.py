@@ -182,8 +182,8 @@ def cache_env() -> Iterator[tuple[dict[str, str], str]]:
     """A fresh compile cache, removed afterwards: the environment for inductor and Triton, FuseCallback's dir.
 
     What cannot be removed is left: after a child was killed at the budget, something of it still wrote there on an
-    H200 (compile workers, likely), and the removal raised ``Directory not empty: 'triton'`` and ended the run with
-    a traceback before its next job (the RESULTS' sixty-ninth session)."""
+    H200 (compile workers, likely), and the removal raised ``Directory not empty: 'triton'``: the run ended with a
+    traceback, and a job after it would not have run (the RESULTS' sixty-ninth session)."""
     with tempfile.TemporaryDirectory(prefix="bench-cache-", ignore_cleanup_errors=True) as root:
         yield {"TORCHINDUCTOR_CACHE_DIR": f"{root}/inductor", "TRITON_CACHE_DIR": f"{root}/triton"}, f"{root}/fuse"
 
