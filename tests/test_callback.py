@@ -232,7 +232,8 @@ def test_auto_mode_keeps_eager_when_the_search_measures_every_plan_slower():
     fuse = FuseCallback(backend=slow_backend, cache_dir=False, eager_steps=6)
     fit([fuse], epochs=1, samples=320)
     assert fuse.plan.name == "eager" and fuse.decision.winner == "eager"
-    assert {t.outcome for t in fuse.decision.trials[1:]} == {"slower than eager"}
+    # on a drifting CPU the search re-times beside eager, and the outcome then says by how much
+    assert fuse.decision.trials[1:] and all(t.outcome.startswith("slower than eager") for t in fuse.decision.trials[1:])
     assert "fuse/speedup" not in fuse.history[0]  # eager against itself is not a speedup
     kept = "FuseCallback: 1.00x, kept eager: no plan was clearly faster on this CPU (the best plan, "
     assert fuse.verdict.startswith(kept)

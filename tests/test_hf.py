@@ -42,7 +42,8 @@ from tests.user_models import (
 )
 
 OUTCOME = re.compile(r"(chosen|slower than \S+|not clearly faster than \S+?(, tried first)?: within its noise)"
-                     r"( \(timed beside eager only\))?|failed: .+|skipped: .+")
+                     r"( \(timed beside eager only\))?|slower than eager: [\d.]+x its slower timing, not timed again"
+                     r"|failed: .+|skipped: .+")
 MODELS = {
     "gpt2": lambda: HFTask(tiny_gpt2()),
     "bert": lambda: HFTask(tiny_bert_classifier(), classify=True),  # dropout 0.1 (BERT's default) stays on
