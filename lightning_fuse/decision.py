@@ -41,7 +41,8 @@ class Trial:
     ms: float | None = None
     outcome: str = "not tried"
     """``chosen``, ``slower than <winner>``, ``not clearly faster than <baseline>: within its noise``, ``not
-    clearly faster than <winner>, tried first: within its noise``, ``failed: <reason>`` or ``skipped: <reason>``."""
+    clearly faster than <winner>, tried first: within its noise``, ``slower than <baseline>: <n>x its slower timing,
+    not timed again`` (:data:`~lightning_fuse.search.OUT_OF_REACH`), ``failed: <reason>`` or ``skipped: <reason>``."""
     slowest: float | None = field(default=None, repr=False)
     """Its slowest timed call, ms: one slow call can hide a lead from the search's test."""
     tries: int = field(default=1, repr=False)
