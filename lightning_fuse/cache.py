@@ -25,6 +25,7 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -143,13 +144,55 @@ class CompileCache:
             os.replace(tmp, self.artifacts_path)
         return True
 
+    def warn_if_bypassed(self, since: tuple[int, ...]) -> None:
+        """Say that the next run will compile part of the network again, where AOTAutograd's cache bypassed graphs
+        after ``since`` (a :class:`CacheCounts`: the fit's start). It stores none of a graph that calls a
+        ``torch.autograd.Function`` (HF BLOOM's GELU in training, on torch 2.11-2.14), so the next run traces and
+        partitions that graph again before inductor's cache hands back its kernels: one reason a BLOOM's warm start
+        took 0.39 of its cold one on an H200, where Llama-style models took 0.15-0.25 (``benchmarks/RESULTS.md``,
+        seventy-second session).
 
-def cache_counters() -> tuple[int, int]:
-    """(hits, misses) of inductor's FX-graph cache and AOTAutograd's cache so far in this process."""
+        Example::
+
+            >>> import tempfile
+            >>> CompileCache(tempfile.mkdtemp(), ["k"]).warn_if_bypassed(cache_counters())  # none since: silent
+        """
+        bypasses = cache_counters().since(since).bypasses
+        if bypasses:
+            rank_zero_warn(
+                f"FuseCallback: torch's AOTAutograd cache would not store {bypasses} of this fit's compiled "
+                "graph(s), so the next run traces and partitions them again and takes only their kernels from the "
+                "compile cache: a slower warm start. A torch.autograd.Function inside the compiled code is the "
+                "usual cause; run with TORCH_LOGS=aot and look for 'Bypassing autograd cache' to see the reason."
+            )
+
+
+class CacheCounts(NamedTuple):
+    """Lookups in torch's compile caches so far in this process: ``hits`` and ``misses`` of inductor's FX-graph cache
+    and AOTAutograd's, and AOTAutograd's ``bypasses``, the graphs it would not store at all.
+
+    Example::
+
+        >>> CacheCounts(hits=3, misses=1, bypasses=0).since(CacheCounts(1, 1, 0))
+        CacheCounts(hits=2, misses=0, bypasses=0)
+    """
+
+    hits: int
+    misses: int
+    bypasses: int
+
+    def since(self, start: tuple[int, ...]) -> CacheCounts:
+        """The lookups made after ``start``, an earlier count."""
+        return CacheCounts(*(now - then for now, then in zip(self, start)))
+
+
+def cache_counters() -> CacheCounts:
+    """This process's lookups in torch's compile caches so far (:class:`CacheCounts`)."""
     counters = dynamo_counters()
-    hits = counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]
-    misses = counters["inductor"]["fxgraph_cache_miss"] + counters["aot_autograd"]["autograd_cache_miss"]
-    return hits, misses
+    aot = counters["aot_autograd"]
+    return CacheCounts(hits=counters["inductor"]["fxgraph_cache_hit"] + aot["autograd_cache_hit"],
+                       misses=counters["inductor"]["fxgraph_cache_miss"] + aot["autograd_cache_miss"],
+                       bypasses=aot["autograd_cache_bypass"])  # fmt: skip
 
 
 @contextmanager

@@ -356,6 +356,7 @@ class FuseCallback(Callback):
             self.verdict = report(self.fit, self.history, trainer.loggers, trainer.current_epoch)
         if self.fit.hooks.cache is not None and trainer.is_global_zero:
             self.fit.hooks.cache.save()
+            self.fit.hooks.cache.warn_if_bypassed(since=self.fit.cache_at_start)
 
     # ------------------------------------------------------------------ undo
     @override

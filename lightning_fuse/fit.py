@@ -116,7 +116,7 @@ class FitState:
     static_sizes: dict[int, set[int]] = field(default_factory=dict)
     """Per varying dim, the sizes it held only in inputs where it never varied: not marked."""
     pace: RunningGuard = field(default_factory=RunningGuard)
-    cache_at_start: tuple[int, int] = (0, 0)
+    cache_at_start: tuple[int, ...] = (0, 0, 0)  # torch's compile-cache lookups at fit start: a cache.CacheCounts
     trees_at_start: tuple[int, int] = (0, 0)
     """torch's cudagraph trees at fit start: the graphs they held and inductor's cudagraph skips, on the fit's device
     (:func:`~lightning_fuse.meters.cudagraph_trees`); both are process-wide, so the fit's own are what was added

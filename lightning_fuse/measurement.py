@@ -99,14 +99,15 @@ def epoch_extras(fit: FitState, device: torch.device,
     if gather is not None and device.type == "cuda":  # a collective: every rank calls it
         mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=device)
         extra.update(per_rank("gpu_util", gather(mine).flatten().tolist()))
-    hits, misses = (now - start for now, start in zip(cache_counters(), fit.cache_at_start))
+    cache = cache_counters().since(fit.cache_at_start)
     graph = plan_graph(fit.plan)
     if fit.hooks.buckets is not None:
         extra["pad_waste"] = fit.hooks.buckets.waste
     trees = fit.trees_recorded()
     if trees is not None:
         extra["graphs_recorded"] = float(trees[0])
-    extra.update(cache_hits=hits, cache_misses=misses, graph_breaks=fit.tracker.total_graph_breaks,
+    extra.update(cache_hits=cache.hits, cache_misses=cache.misses, cache_bypasses=cache.bypasses,
+                 graph_breaks=fit.tracker.total_graph_breaks,
                  compiled=float(fit.runs_compiled()),
                  plan_dropped=float(fit.dropped is not None),
                  graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip

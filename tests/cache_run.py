@@ -23,6 +23,7 @@ if __name__ == "__main__":
         "compile_s": last["fuse/compile_s"],
         "cache_hits": last["fuse/cache_hits"],
         "cache_misses": last["fuse/cache_misses"],
+        "cache_bypasses": last["fuse/cache_bypasses"],
         "loaded": fuse.cache.loaded,
         "artifacts": fuse.cache.artifacts_path.is_file(),
     }))

@@ -4,13 +4,16 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
-from lightning_fuse.cache import ARTIFACTS, CompileCache, cache_key
-from tests.toy import Block, Net
+from lightning_fuse import FuseCallback
+from lightning_fuse import cache as cache_module
+from lightning_fuse.cache import ARTIFACTS, CacheCounts, CompileCache, cache_counters, cache_key
+from tests.toy import Block, Net, ToyTask, trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +53,50 @@ def test_cache_dir_that_is_a_file_is_refused(tmp_path):
         CompileCache(blocker, ["k"])
 
 
+def test_graphs_the_autograd_cache_bypassed_are_counted_and_named_with_how_to_see_why(tmp_path, monkeypatch,
+                                                                                     recwarn):  # fmt: skip
+    counters = {"inductor": Counter(fxgraph_cache_hit=2), "aot_autograd": Counter(autograd_cache_bypass=3)}
+    monkeypatch.setattr(cache_module, "dynamo_counters", lambda: counters)
+    cache, start = CompileCache(tmp_path, ["k"]), cache_counters()
+    assert start == CacheCounts(hits=2, misses=0, bypasses=3)
+    counters["inductor"]["fxgraph_cache_hit"] += 1
+    cache.warn_if_bypassed(since=start)  # a hit is no bypass
+    assert not recwarn.list
+    counters["aot_autograd"]["autograd_cache_bypass"] += 2
+    assert cache_counters().since(start) == CacheCounts(hits=1, misses=0, bypasses=2)
+    with pytest.warns(UserWarning, match=r"would not store 2 of this fit's compiled graph.*TORCH_LOGS=aot"):
+        cache.warn_if_bypassed(since=start)
+
+
+class _Doubled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _DoubledBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Doubled.apply(super().forward(x))
+
+
+class _DoublingTask(ToyTask):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Net(block=_DoubledBlock)
+
+
+@pytest.mark.inductor
+def test_a_fit_whose_network_calls_an_autograd_function_warns_that_its_warm_start_compiles_again(tmp_path):
+    fuse = FuseCallback(cache_dir=tmp_path, mode="default", eager_steps=0)
+    with pytest.warns(UserWarning, match=r"AOTAutograd cache would not store \d+ of this fit's compiled graph"):
+        trainer([fuse], max_epochs=1, num_sanity_val_steps=0, limit_val_batches=0).fit(_DoublingTask())
+    assert fuse.history[-1]["fuse/cache_bypasses"] >= 1  # the blocks share their code: one graph on torch 2.14
+
+
 @pytest.mark.inductor
 def test_second_process_with_the_same_cache_dir_starts_warm(tmp_path):
     def run() -> dict:
@@ -65,5 +112,6 @@ def test_second_process_with_the_same_cache_dir_starts_warm(tmp_path):
     print(f"cold: {cold}\nwarm: {warm}")
     assert cold["artifacts"] and not cold["loaded"] and cold["cache_misses"] > 0
     assert warm["loaded"] and warm["cache_hits"] > 0
+    assert cold["cache_bypasses"] == warm["cache_bypasses"] == 0  # the toy calls no autograd.Function
     assert warm["compile_s"] < 0.7 * cold["compile_s"]
     assert len(list(tmp_path.glob(f"*/{ARTIFACTS}"))) == 1  # one key directory, one artifacts file
