@@ -161,7 +161,7 @@ class CompileCache:
         if bypasses:
             rank_zero_warn(
                 f"FuseCallback: torch's AOTAutograd cache would not store {bypasses} of this fit's compiled "
-                "graph(s), so the next run traces and partitions them again and takes only their kernels from the "
+                "graph(s), so the next run traces and partitions them again and takes only inductor's code from the "
                 "compile cache: a slower warm start. A torch.autograd.Function inside the compiled code is the "
                 "usual cause; run with TORCH_LOGS=aot and look for 'Bypassing autograd cache' to see the reason."
             )
