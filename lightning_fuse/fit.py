@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only, rank_zer
 
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.meters import GpuMeters, cudagraph_trees
-from lightning_fuse.plan import WITHOUT_GRAPHS, Plan, Setting, plan_graph
+from lightning_fuse.plan import WITHOUT_GRAPHS, Plan, Setting, plan_graphs
 from lightning_fuse.running_guard import BEFORE, EXCUSED_RECORDINGS, PLAN, RunningGuard, Window, window_speedup
 from lightning_fuse.shapes import (CompileTracker, DynamicDims, batch_size, can_yield_partial_batch, count_items,
                                    mark_dims)
@@ -190,8 +190,7 @@ class FitState:
             self.timer.wait_for_device()  # mark is queued already, so the wait lengthens no timed eager step
             self.pace.close_run()
         self.pace.begin(BEFORE if self.plan is None else PLAN if not eager else self.step_kind)
-        graph = plan_graph(self.plan)
-        if graph is not None:
+        for graph in plan_graphs(self.plan):
             graph.begin_step(zeroed_after_forward)
         for graph in filter(None, self.optimizer_graphs):
             graph.enabled = not eager  # an eager reference step's update is the optimizer's own
@@ -228,12 +227,11 @@ class FitState:
         ours or recorded one of torch's cudagraph trees is kept out, recording ones up to
         :data:`~lightning_fuse.running_guard.EXCUSED_RECORDINGS` a fit), its contexts left; at the end of a running
         guard's window, that window's plan step times (:meth:`~lightning_fuse.running_guard.RunningGuard.end`)."""
-        graph = plan_graph(self.plan)
         compiled_now = self.tracker.total_compiles != self.step_compiles
         recorded_now = self.tracker.recordings != self.step_recordings
         self.recording_steps += recorded_now
         excused = recorded_now and self.recording_steps <= EXCUSED_RECORDINGS
-        captured_now = graph is not None and graph.captured_during_last_call
+        captured_now = any(graph.captured_during_last_call for graph in plan_graphs(self.plan))
         self.timer.stop(SKIPPED if compiled_now or excused or captured_now else self.step_kind)
         if compiled_now or recorded_now:  # a one-time cost, which the optimizer graph's trial leaves out too
             for optimizer_graph in filter(None, self.optimizer_graphs):
@@ -252,7 +250,7 @@ class FitState:
         plan's and the optimizers', are dropped, to be captured again over the model as it is; said once."""
         if self.hooks.state is None or not self.hooks.state.changed():
             return
-        graphs = [graph for graph in (plan_graph(self.plan), *self.optimizer_graphs) if graph and graph.captured]
+        graphs = [graph for graph in (*plan_graphs(self.plan), *self.optimizer_graphs) if graph and graph.captured]
         for graph in graphs:
             graph.release()
         if graphs and not self.renewed_graphs:
@@ -292,9 +290,9 @@ class FitState:
         parts = [self.plan.describe() if self.plan is not None else "eager (no plan was installed)"]
         if self.dropped:
             parts.append(f"plan dropped: {self.dropped}")
-        graph = plan_graph(self.plan)
-        if graph is not None:
-            parts.append(graph.describe())
+        graphs = self.plan.graphs_line() if self.plan is not None else None
+        if graphs is not None:
+            parts.append(graphs)
         trees = self.trees_recorded()
         if trees is not None:
             parts.append(self._trees_part(*trees))

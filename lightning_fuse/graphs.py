@@ -402,6 +402,28 @@ class GraphedModule:
             raise Uncapturable("its compiled regions compile again at every call, so they cannot be captured")
 
 
+def describe_graphs(graphs: Sequence[GraphedModule]) -> str:
+    """What became of a plan's graphs, for the fit's summary: one graph's :meth:`GraphedModule.describe`, or, with
+    a graph per region, how many were captured and replayed, and why the first region without one has none.
+
+    Example::
+
+        >>> layers = [torch.nn.Linear(2, 2) for _ in range(3)]
+        >>> graphs = [GraphedModule(f"layers.{i}", layer) for i, layer in enumerate(layers)]
+        >>> describe_graphs(graphs)
+        'graphs: 0 of 3 regions captured, 0 replays; 3 without one (layers.0: no eligible call)'
+    """
+    if len(graphs) == 1:
+        return graphs[0].describe()
+    line = f"graphs: {sum(g.captured for g in graphs)} of {len(graphs)} regions captured, "
+    line += f"{sum(g.replays for g in graphs)} replays"
+    missing = [graph for graph in graphs if not graph.captured]
+    if missing:
+        why = missing[0].disabled_reason or "no eligible call"
+        line += f"; {len(missing)} without one ({missing[0].name}: {why})"
+    return line
+
+
 def static_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The graph's own input buffers, copies of the capture call's inputs: every replay copies its inputs into
     them, so they must not be the caller's tensors (a batch kept on the device, a slice of a dataset held there,

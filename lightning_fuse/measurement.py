@@ -33,7 +33,7 @@ from lightning_fuse.metrics import (
     summary_table,
     verdict_line,
 )
-from lightning_fuse.plan import plan_graph
+from lightning_fuse.plan import plan_graphs
 from lightning_fuse.timing import EAGER, EagerSchedule, StepTimer, summarize
 
 if TYPE_CHECKING:
@@ -100,7 +100,6 @@ def epoch_extras(fit: FitState, device: torch.device,
         mine = torch.tensor(float(extra.get("gpu_util", float("nan"))), device=device)
         extra.update(per_rank("gpu_util", gather(mine).flatten().tolist()))
     cache = cache_counters().since(fit.cache_at_start)
-    graph = plan_graph(fit.plan)
     if fit.hooks.buckets is not None:
         extra["pad_waste"] = fit.hooks.buckets.waste
     trees = fit.trees_recorded()
@@ -110,7 +109,7 @@ def epoch_extras(fit: FitState, device: torch.device,
                  graph_breaks=fit.tracker.total_graph_breaks,
                  compiled=float(fit.runs_compiled()),
                  plan_dropped=float(fit.dropped is not None),
-                 graph_replays=float(graph.replays if graph is not None else 0))  # fmt: skip
+                 graph_replays=float(sum(graph.replays for graph in plan_graphs(fit.plan))))  # fmt: skip
     return extra
 
 

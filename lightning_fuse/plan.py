@@ -2,14 +2,14 @@
 
 A plan is one of: ``eager``; ``regions`` (the selected submodules compiled in place); ``regions+graph`` (those
 regions plus one CUDA graph over the network's forward and backward); ``graph`` (that graph over the eager
-network); ``reduce-overhead`` (the whole network compiled with torch's CUDA graphs); ``regions+trees`` (the regions
-with torch's CUDA graphs each) and ``compile+graph`` (one graph over the whole network compiled), both tried where
-the graph over the regions failed; ``compile`` (the whole network compiled, no graph). :func:`candidates` lists,
-most promising first, those that make sense for the device and the number of processes; :func:`forced_plan` builds
-the one an explicit ``mode``/``cuda_graph``/``targets`` asks for; :func:`fit_setting` is what they are all built from.
-A network the user compiled before the fit has its own two (:func:`user_compiled_candidates`): ``user-compiled``
-(their compile as it is) and ``user-compiled+graph`` (one CUDA graph over it). Which candidate runs is measured
-(:mod:`lightning_fuse.search`).
+network); ``reduce-overhead`` (the whole network compiled with torch's CUDA graphs); ``regions+graphs`` (the regions
+with a CUDA graph of FuseCallback's own each), ``regions+trees`` (the regions with torch's CUDA graphs each) and
+``compile+graph`` (one graph over the whole network compiled), all tried where the graph over the regions failed;
+``compile`` (the whole network compiled, no graph). :func:`candidates` lists, most promising first, those that make
+sense for the device and the number of processes; :func:`fit_setting` is what they are all built from. The one plan
+explicit settings force, and the two of a network the user compiled before the fit (``user-compiled``, their
+compile as it is, and ``user-compiled+graph``, one CUDA graph over it), are chosen in :mod:`~lightning_fuse.start`.
+Which candidate runs is measured (:mod:`lightning_fuse.search`).
 
 Example::
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,10 +41,10 @@ from lightning_fuse.compiler import (
     plain_eager,
     uncompile_regions,
 )
-from lightning_fuse.graphs import GraphedModule, graph_target
+from lightning_fuse.graphs import GraphedModule, describe_graphs, graph_target
 from lightning_fuse.held_outputs import OutputWatch
 from lightning_fuse.host_syncs import syncs_between_regions, syncs_when_compiled
-from lightning_fuse.options import AUTO, GRAPHING_MODES, FuseOptions
+from lightning_fuse.options import GRAPHING_MODES, FuseOptions
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.shapes import CompileTracker
 
@@ -171,6 +172,15 @@ class Plan:
         """The modules carrying something of this plan (bypassed by the eager reference steps)."""
         return []
 
+    def graphs(self) -> list[GraphedModule]:
+        """Its CUDA graphs of FuseCallback's own: :attr:`graph`, or one per region (``regions+graphs``)."""
+        return [self.graph] if self.graph is not None else []
+
+    def graphs_line(self) -> str | None:
+        """What became of its CUDA graphs of FuseCallback's own, for the fit's summary (``None``: it has none)."""
+        graphs = self.graphs()
+        return describe_graphs(graphs) if graphs else None
+
     def bypassed(self) -> AbstractContextManager[None]:
         """Inside it, :meth:`modules` run their plain eager call, as the user's own code (an eager reference step)."""
         return plain_eager(self.modules())
@@ -228,16 +238,20 @@ class Regions(Plan):
         []
     """
 
+    per_region_graphs = False
+    """Whether each region gets a CUDA graph of its own (:class:`RegionGraphs`)."""
+
     def __init__(self, setting: Setting, graph: bool) -> None:
         self.setting = setting
         self.name = "regions+graph" if graph else "regions"
-        self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead")
+        self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead", "regions+graphs")
         self.records_graphs = graph or setting.options.mode in GRAPHING_MODES
         self.cudagraph_trees = setting.options.mode in GRAPHING_MODES and setting.device.type == "cuda"
         self._tree_sizes = RepeatedSizes() if self.cudagraph_trees else None
         self._restore_tree_sizes: Callable[[], None] | None = None
         options = setting.options
-        if graph and options.dynamic is None:  # a graph's shapes are static: do not let dynamo turn dims dynamic
+        static = graph or self.per_region_graphs  # a graph's shapes are static: do not let dynamo turn dims dynamic
+        if static and options.dynamic is None:
             options = replace(options, dynamic=False)
         self._runners = [CompiledRegion(region, options, setting.tracker, setting.policy) for region in setting.regions]
         self.watch = OutputWatch() if self.cudagraph_trees else None
@@ -245,8 +259,9 @@ class Regions(Plan):
         for runner in self._runners:
             runner.on_return = self.watch
         name, module = setting.target
-        self.graph = GraphedModule(name, module, compiles=lambda: setting.tracker.total_compiles,
-                                   max_graphs=setting.max_graphs) if graph else None  # fmt: skip
+        graphed = partial(GraphedModule, compiles=lambda: setting.tracker.total_compiles, max_graphs=setting.max_graphs)
+        self.graph = graphed(name, module) if graph else None
+        self.region_graphs = [graphed(r.name, r.region.module) for r in self._runners] if self.per_region_graphs else []
 
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         if self.graph is None:
@@ -262,13 +277,13 @@ class Regions(Plan):
             self.watch.clear()  # the search's trial calls are not the fit's
         if self._tree_sizes is not None and self._restore_tree_sizes is None:
             self._restore_tree_sizes = compat.cap_cudagraph_sizes(self._tree_sizes)
-        if self.graph is not None:
-            self.graph.install()
-            self.graph.capture_allowed = True
+        for graph in self.graphs():
+            graph.install()
+            graph.capture_allowed = True
 
     def uninstall(self) -> None:
-        if self.graph is not None:
-            self.graph.uninstall()
+        for graph in self.graphs():
+            graph.uninstall()
         if self._restore_tree_sizes is not None:
             self._restore_tree_sizes()
             self._restore_tree_sizes = None
@@ -295,12 +310,15 @@ class Regions(Plan):
             runner.on_trees_failure = note
 
     def release(self) -> None:
-        if self.graph is not None:
-            self.graph.release()
+        for graph in self.graphs():
+            graph.release()
 
     def modules(self) -> list[nn.Module]:
         modules = [runner.region.module for runner in self._runners]
         return modules + [self.graph.module] if self.graph is not None else modules
+
+    def graphs(self) -> list[GraphedModule]:
+        return [self.graph] if self.graph is not None else self.region_graphs
 
     @property
     def runners(self) -> list[CompiledRegion]:
@@ -321,21 +339,22 @@ class Regions(Plan):
     @property
     def failure(self) -> str | None:
         if self._graph_refused():
-            return f"no graph: {self.graph.disabled_reason}"
+            return f"no graph: {self.graphs()[0].disabled_reason}"
         if self._regions_fell_back():
             return f"every region fell back: {self._runners[0].fallback_reason}"
         return None
 
     @property
     def shortfall(self) -> list[str]:
-        replayed = self.graph is not None and self.graph.replays
+        replayed = any(graph.replays for graph in self.graphs())
         refused = "its graph dropped after its replays" if replayed else "its graph not captured"
         missing = {refused: self._graph_refused(),
                    "its regions fell back to eager": self._regions_fell_back()}  # fmt: skip
         return [what for what, happened in missing.items() if happened]
 
     def _graph_refused(self) -> bool:
-        return self.graph is not None and self.graph.disabled_reason is not None
+        graphs = self.graphs()
+        return bool(graphs) and all(graph.disabled_reason is not None for graph in graphs)
 
     def _regions_fell_back(self) -> bool:
         return bool(self._runners) and all(runner.fallback_reason is not None for runner in self._runners)
@@ -416,19 +435,46 @@ class RegionTrees(Regions):
         options = replace(setting.options, mode="reduce-overhead")
         super().__init__(replace(setting, options=options), graph=False)
         self.name = "regions+trees"
-        self.dominated_by = ("compile+graph",)
+        self.dominated_by = ("compile+graph", "regions+graphs")
+
+
+class RegionGraphs(Regions):
+    """The regions compiled, each with a CUDA graph of FuseCallback's own over its forward and backward, replayed
+    between the eager glue around them: the fallback where one graph over the network cannot be captured because
+    the code between the regions syncs with the host, or takes another path at each step. HF Wav2Vec2 skips each
+    encoder layer at random in training (``layerdrop``: a host sync per layer) and selects its CTC labels by a
+    mask; its one graph failed, and torch's cudagraph trees, which record one path of calls at a time, recorded
+    again at most steps (``regions+trees`` ran 6-12x of eager on an H200). A region's own graph replays whatever
+    ran before it. A region whose own call syncs or varies runs compiled without a graph (each graph says why).
+
+    Example::
+
+        >>> from lightning_fuse.regions import Region
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        >>> regions = [Region("0", net[0]), Region("1", net[1])]
+        >>> plan = RegionGraphs(Setting(regions, ("net", net), CompileOptions(), torch.device("cuda")))
+        >>> plan.name, plan.tried_after, [graph.name for graph in plan.graphs()]
+        ('regions+graphs', 'regions+graph', ['0', '1'])
+    """
+
+    tried_after = "regions+graph"
+    per_region_graphs = True
+
+    def __init__(self, setting: Setting) -> None:
+        super().__init__(setting, graph=False)
+        self.name, self.records_graphs, self.dominated_by = "regions+graphs", True, ("compile+graph",)
 
 
 class UserCompiled(Plan):
     """The user compiled the network before the fit (``model.compile()``): nothing is compiled twice; the eager
     reference steps bypass the user's compiled code, so ``fuse/speedup`` measures the user's compile. The baseline
-    of :func:`user_compiled_candidates`.
+    of :func:`~lightning_fuse.start.user_compiled_candidates`.
 
     Example::
 
         >>> net = torch.nn.Linear(2, 2)
         >>> net.compile(backend="eager")
-        >>> UserCompiled(user_compiled(net)).describe()
+        >>> UserCompiled([net]).describe()
         'user-compiled (1 module(s) already compiled before the fit; FuseCallback only measures)'
     """
 
@@ -453,7 +499,7 @@ class UserCompiledGraph(Graph):
         >>> net = torch.nn.Linear(2, 2)
         >>> net.compile(backend="eager")
         >>> setting = Setting([], ("net", net), CompileOptions(), torch.device("cuda"))
-        >>> plan = UserCompiledGraph(setting, UserCompiled(user_compiled(net)))
+        >>> plan = UserCompiledGraph(setting, UserCompiled([net]))
         >>> plan.name, plan.modules() == [net]
         ('user-compiled+graph', True)
     """
@@ -468,42 +514,15 @@ class UserCompiledGraph(Graph):
         return list(dict.fromkeys([*self._user.modules(), *super().modules()]))
 
 
-def user_compiled_candidates(setting: Setting, modules: list[nn.Module]) -> list[Plan]:
-    """The plans for a network the user compiled before the fit: their compile as it is, then, where graphs run
-    (:attr:`Setting.cuda_graphs`), one CUDA graph over it, where every module they compiled lies within the graph's
-    target (a compiled ancestor would trace through the graph's dispatch).
+def plan_graphs(plan: Plan | None) -> list[GraphedModule]:
+    """``plan``'s CUDA graphs of FuseCallback's own (:meth:`Plan.graphs`), if there is a plan.
 
     Example::
 
-        >>> net = torch.nn.Linear(2, 2)
-        >>> net.compile(backend="eager")
-        >>> on = lambda device: Setting([], ("net", net), CompileOptions(), torch.device(device))
-        >>> [p.name for p in user_compiled_candidates(on("cuda"), [net])]
-        ['user-compiled', 'user-compiled+graph']
-        >>> [p.name for p in user_compiled_candidates(on("cpu"), [net])]
-        ['user-compiled']
+        >>> plan_graphs(None), plan_graphs(Plan())
+        ([], [])
     """
-    user = UserCompiled(modules)
-    within = {id(module) for module in setting.target[1].modules()}
-    if not setting.cuda_graphs or any(id(m) not in within for m in modules):
-        return [user]
-    return [user, UserCompiledGraph(setting, user)]
-
-
-def plan_graph(plan: Plan | None) -> GraphedModule | None:
-    """``plan``'s CUDA graph over the network, if there is a plan and it has one.
-
-    Example::
-
-        >>> plan_graph(None), plan_graph(Plan())
-        (None, None)
-    """
-    return plan.graph if plan is not None else None
-
-
-def user_compiled(root: nn.Module) -> list[nn.Module]:
-    """The submodules of ``root`` the user compiled before the fit (``Module.compile`` or ``torch.compile``)."""
-    return [m for m in root.modules() if compat.compiled_call_impl(m) is not None or compat.is_compile_wrapper(m)]
+    return plan.graphs() if plan is not None else []
 
 
 def candidates(setting: Setting) -> list[Plan]:
@@ -525,7 +544,7 @@ def candidates(setting: Setting) -> list[Plan]:
             reduce_overhead.dominated_by += ("regions+graph",)
         plans += [reduce_overhead, Graph(setting)]
         if setting.regions and not whole_is_regions:
-            plans.append(RegionTrees(setting))
+            plans += [RegionGraphs(setting), RegionTrees(setting)]
     if setting.regions:
         plans.append(Regions(setting, graph=False))
     if not whole_is_regions:
@@ -550,26 +569,3 @@ def for_varying_shapes(plans: Sequence[Plan], buckets: int) -> list[Plan]:
         ['eager', 'reduce-overhead', 'compile']
     """
     return [plan for plan in plans if buckets or not plan.records_graphs or plan.cudagraph_trees]
-
-
-def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:
-    """The one plan explicit settings ask for: the regions in ``mode``, with a graph unless it cannot or is off.
-
-    Raises:
-        ValueError: If ``cuda_graph=True`` is asked for with several processes other than DDP's (FSDP, say).
-    """
-    if cuda_graph is True and not setting.processes_allow_graphs:
-        raise ValueError(
-            f"cuda_graph=True runs in one process or under DDP, but this run has {setting.world_size} processes of "
-            "another strategy (FSDP gathers parameters inside the forward, which no graph holds). Use "
-            "cuda_graph='auto' (off there) or False."
-        )
-    compile_mode = None if mode in (AUTO, "default") else mode
-    setting = replace(setting, options=replace(setting.options, mode=compile_mode))
-    graph = (
-        setting.cuda_graphs and cuda_graph is not False
-        and compile_mode not in GRAPHING_MODES
-    )  # fmt: skip
-    plan = Regions(setting, graph=graph) if setting.regions or graph else Plan()
-    plan.reason = f"mode={mode!r}, cuda_graph={cuda_graph!r}" if plan.modules() else "nothing selected: measure only"
-    return plan

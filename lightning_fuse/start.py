@@ -1,6 +1,7 @@
-"""A fit's start: its setting and candidate plans, its state with the timer and the reference schedule, the hooks it
-puts on the model and on torch (:func:`start_fit`); its compile cache (:func:`start_cache`); the plan line that says
-what will happen (:func:`plan_line`).
+"""A fit's start: its setting and candidate plans (the search's, the user's own compile, or the one plan explicit
+settings force), its state with the timer and the reference schedule, the hooks it puts on the model and on torch
+(:func:`start_fit`); its compile cache (:func:`start_cache`); the plan line that says what will happen
+(:func:`plan_line`).
 
 They take from the Trainer only what they need, as values: the number of processes, whether the strategy shards the
 parameters, the precision plugin (its autocast context and loss scaler, which the backward guard's redone step
@@ -26,6 +27,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from lightning_fuse import compat
@@ -33,21 +35,14 @@ from lightning_fuse.cache import CompileCache, cache_key
 from lightning_fuse.fit import FitState
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.measurement import start_measuring
-from lightning_fuse.options import AUTO, FuseOptions
-from lightning_fuse.plan import (
-    Setting,
-    UserCompiled,
-    candidates,
-    fit_setting,
-    forced_plan,
-    user_compiled,
-    user_compiled_candidates,
-)
+from lightning_fuse.options import AUTO, GRAPHING_MODES, FuseOptions
+from lightning_fuse.plan import Plan, Regions, Setting, UserCompiled, UserCompiledGraph, candidates, fit_setting
 from lightning_fuse.regions import format_plan
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins import Precision
+    from torch import nn
 
 
 SHAPE_STEPS = 3
@@ -97,6 +92,55 @@ def _with_candidates(options: FuseOptions, setting: Setting, pl_module: pl.Light
     else:
         fit.candidates = [forced_plan(setting, options.mode, options.cuda_graph)]
     return fit
+
+
+def user_compiled(root: nn.Module) -> list[nn.Module]:
+    """The submodules of ``root`` the user compiled before the fit (``Module.compile`` or ``torch.compile``)."""
+    return [m for m in root.modules() if compat.compiled_call_impl(m) is not None or compat.is_compile_wrapper(m)]
+
+
+def user_compiled_candidates(setting: Setting, modules: list[nn.Module]) -> list[Plan]:
+    """The plans for a network the user compiled before the fit: their compile as it is, then, where graphs run
+    (:attr:`Setting.cuda_graphs`), one CUDA graph over it, where every module they compiled lies within the graph's
+    target (a compiled ancestor would trace through the graph's dispatch).
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_fuse.compiler import CompileOptions
+        >>> net = torch.nn.Linear(2, 2)
+        >>> net.compile(backend="eager")
+        >>> on = lambda device: Setting([], ("net", net), CompileOptions(), torch.device(device))
+        >>> [p.name for p in user_compiled_candidates(on("cuda"), [net])]
+        ['user-compiled', 'user-compiled+graph']
+        >>> [p.name for p in user_compiled_candidates(on("cpu"), [net])]
+        ['user-compiled']
+    """
+    user = UserCompiled(modules)
+    within = {id(module) for module in setting.target[1].modules()}
+    if not setting.cuda_graphs or any(id(m) not in within for m in modules):
+        return [user]
+    return [user, UserCompiledGraph(setting, user)]
+
+
+def forced_plan(setting: Setting, mode: str, cuda_graph: bool | str) -> Plan:
+    """The one plan explicit settings ask for: the regions in ``mode``, with a graph unless it cannot or is off.
+
+    Raises:
+        ValueError: If ``cuda_graph=True`` is asked for with several processes other than DDP's (FSDP, say).
+    """
+    if cuda_graph is True and not setting.processes_allow_graphs:
+        raise ValueError(
+            f"cuda_graph=True runs in one process or under DDP, but this run has {setting.world_size} processes of "
+            "another strategy (FSDP gathers parameters inside the forward, which no graph holds). Use "
+            "cuda_graph='auto' (off there) or False."
+        )
+    compile_mode = None if mode in (AUTO, "default") else mode
+    setting = replace(setting, options=replace(setting.options, mode=compile_mode))
+    graph = setting.cuda_graphs and cuda_graph is not False and compile_mode not in GRAPHING_MODES
+    plan = Regions(setting, graph=graph) if setting.regions or graph else Plan()
+    plan.reason = f"mode={mode!r}, cuda_graph={cuda_graph!r}" if plan.modules() else "nothing selected: measure only"
+    return plan
 
 
 def start_cache(options: FuseOptions, fit: FitState, barrier: Callable[[], None], precision: str

@@ -164,7 +164,8 @@ def grad_buffer_capture(flat, tensors, num_warmup_iters):
     """As make_graphed_callables replays a backward: the parameters' gradients are written into the graph's own
     buffers and handed to autograd detached, so that a parameter without a gradient keeps the buffer itself. The
     forward scribbles over those buffers, as a forward's temporaries do where the two graphs' shared pool put a
-    gradient buffer in their memory (seen on an H100)."""
+    gradient buffer in their memory (seen on an H100). The inputs' gradients are handed back too, as a graph over
+    a region inside the network (``regions+graphs``) hands them to the layers before it."""
     params = [p for p in flat.parameters() if p.requires_grad]
     buffers = [torch.zeros_like(p) for p in params]
 
@@ -178,13 +179,19 @@ def grad_buffer_capture(flat, tensors, num_warmup_iters):
 
         @staticmethod
         def backward(ctx, *grad_outputs):
+            inputs = [i.detach().requires_grad_(needs) for i, needs in zip(ctx.inputs, ctx.needs_input_grad)]
+            wrt = [i for i in inputs if i.requires_grad]  # a region's input, the output of the layers before it
             with torch.enable_grad():
-                outs = flat(*ctx.inputs)
+                outs = flat(*inputs)
                 pairs = [(out, grad) for out, grad in zip(outs, grad_outputs) if out.requires_grad]
-                grads = torch.autograd.grad([o for o, _ in pairs], params, [g for _, g in pairs], allow_unused=True)
-            for buffer, grad in zip(buffers, grads):
+                grads = torch.autograd.grad([o for o, _ in pairs], wrt + params, [g for _, g in pairs],
+                                            allow_unused=True)  # fmt: skip
+            for buffer, grad in zip(buffers, grads[len(wrt):]):
                 buffer.copy_(grad)
-            return (None,) * len(tensors) + tuple(buffer.detach() for buffer in buffers)
+            input_grads = iter(grads[: len(wrt)])
+            return tuple(next(input_grads) if i.requires_grad else None for i in inputs) + tuple(
+                buffer.detach() for buffer in buffers
+            )
 
     return lambda *inputs: Replay.apply(*inputs, *params)
 

@@ -199,7 +199,8 @@ def graph_over_the_users_compile_measured(monkeypatch):
     """On a CPU, the candidates a user-compiled network gets on one GPU: the graph plan runs, uncaptured (CPU
     tensors), through the user's compiled code, its check for host syncs (a GPU's) finding none; the search is
     pinned to it."""
-    as_on_a_gpu = lambda setting, modules: plan_module.user_compiled_candidates(replace(setting, device=CUDA), modules)
+    own_candidates = start_module.user_compiled_candidates
+    as_on_a_gpu = lambda setting, modules: own_candidates(replace(setting, device=CUDA), modules)
     monkeypatch.setattr(start_module, "user_compiled_candidates", as_on_a_gpu)
     monkeypatch.setattr(plan_module, "syncs_between_regions", lambda *args, **kwargs: None)
     pin_search(monkeypatch, winner="user-compiled+graph")

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lightning_fuse import compat
+from lightning_fuse import plan as plan_module
 from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.fit import FitState
 from lightning_fuse.graphs import (
@@ -27,18 +28,17 @@ from lightning_fuse.host_syncs import host_syncs_raise
 from lightning_fuse.module_state import StateWatch
 from lightning_fuse.plan import (
     Plan,
+    RegionGraphs,
     Regions,
     Setting,
     UserCompiled,
     UserCompiledGraph,
     Whole,
     candidates,
-    forced_plan,
-    user_compiled,
-    user_compiled_candidates,
 )
 from lightning_fuse.regions import Region, resolve_regions
 from lightning_fuse.replay import release_capture_graph
+from lightning_fuse.start import forced_plan, user_compiled, user_compiled_candidates
 from tests.faults import default_adamw_under_graph, grad_buffer_capture
 from tests.toy import ToyTask
 
@@ -54,8 +54,8 @@ def test_candidates_per_device_and_process_count():
     task = ToyTask()
     assert [p.name for p in candidates(setting_for(task))] == ["eager", "regions", "compile"]
     cuda = [p.name for p in candidates(setting_for(task, CUDA))]
-    assert cuda == ["eager", "regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+trees", "regions",
-                    "compile"]
+    assert cuda == ["eager", "regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+graphs",
+                    "regions+trees", "regions", "compile"]
     several = {p.name: p for p in candidates(setting_for(task, CUDA, world_size=2))}  # FSDP, say
     assert list(several) == ["eager", "regions", "compile"]
     # alone, regions faster than eager spare compiling the whole network; with several processes both are measured
@@ -635,6 +635,56 @@ def test_a_host_sync_check_that_raised_half_way_leaves_no_autograd_graph_alive(m
         torch._dynamo.reset()
     assert reason is not None and "synchronizing" in reason
     assert alive == []
+
+
+class LayerDrop(nn.Module):
+    """Three residual blocks, each skipped at random in training, as HF Wav2Vec2's ``layerdrop``: which blocks run
+    changes from step to step, decided on the host (on a GPU, a sync each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(x)
+        for block in self.blocks:
+            if not self.training or bool(torch.rand(()) >= 0.4):
+                hidden = hidden + block(hidden)
+        return self.head(hidden).square().mean()
+
+
+def test_each_region_replays_its_own_graph_whatever_ran_before_it(monkeypatch):
+    """``regions+graphs``: a graph per region, captured at its first call and replayed at each later one, whichever
+    of the other regions ran; the gradients are eager's at every step (captures faked: the replay computes as the
+    graph would, writing the parameters' gradients into its own buffers)."""
+    graphed = lambda *args, **kwargs: GraphedModule(*args, **kwargs, capture=grad_buffer_capture,
+                                                   on_device=lambda tensor: True)
+    monkeypatch.setattr(plan_module, "GraphedModule", graphed)
+    torch.manual_seed(0)
+    net = LayerDrop()
+    twin = copy.deepcopy(net)  # the same steps without any plan
+    regions = [Region(f"blocks.{i}", block) for i, block in enumerate(net.blocks)]
+    plan = RegionGraphs(Setting(regions, ("net", net), CompileOptions(backend="eager"), CUDA))
+    plan.install()
+    ran = 0
+    for step in range(8):
+        for graph in plan.graphs():
+            graph.begin_step(grads_zeroed_after_forward=False)
+        x = torch.randn(5, 4)
+        for model in (net, twin):
+            model.zero_grad()
+            torch.manual_seed(step)  # the same blocks skipped in both
+            model(x).backward()
+        ran += sum(block[0].weight.grad is not None for block in twin.blocks)
+        for got, want in zip(net.parameters(), twin.parameters()):
+            torch.testing.assert_close(got.grad, want.grad)
+    graphs = plan.graphs()
+    assert [graph.name for graph in graphs] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all(graph.captured for graph in graphs) and sum(graph.replays for graph in graphs) == ran
+    assert plan.failure is None and plan.graphs_line() == f"graphs: 3 of 3 regions captured, {ran} replays"
+    plan.uninstall()
+    assert all(compat.compiled_call_impl(block) is None for block in net.blocks)
 
 
 def test_graphs_over_a_model_whose_parameters_got_new_storage_between_epochs_are_captured_again(caplog):

@@ -27,7 +27,7 @@ from lightning_fuse.timing import StepTimer
 from tests.toy import ToyTask, trainer
 
 CUDA = torch.device("cuda", 0)
-GRAPH_PLANS = {"regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+trees"}
+GRAPH_PLANS = {"regions+graph", "compile+graph", "reduce-overhead", "graph", "regions+graphs", "regions+trees"}
 
 
 # ---------------------------------------------------------------------------------------------- varying shapes
