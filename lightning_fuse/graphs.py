@@ -113,7 +113,9 @@ class FlatCall(nn.Module):
         self._run = run
         leaves, self._in_spec = compat.tree_flatten((args, kwargs))
         self._in_slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self._in_constants = leaves
+        # not the call's tensors: a region's input is the region before it's output, which would look held past its
+        # step (on an H200, 9 of HF Wav2Vec2's 12 layers lost their graphs so)
+        self._in_constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         self._out_spec: Any = None
         self._out_leaves: list[tuple[bool, Any]] = []  # (is a tensor, the plain value)
         self.trained = [p for p in module.parameters() if p.requires_grad]

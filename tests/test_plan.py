@@ -638,8 +638,8 @@ def test_a_host_sync_check_that_raised_half_way_leaves_no_autograd_graph_alive(m
 
 
 class LayerDrop(nn.Module):
-    """Three residual blocks, each skipped at random in training, as HF Wav2Vec2's ``layerdrop``: which blocks run
-    changes from step to step, decided on the host (on a GPU, a sync each)."""
+    """Three blocks, each skipped at random in training, as HF Wav2Vec2's ``layerdrop``: which blocks run changes
+    from step to step, decided on the host (on a GPU, a sync each); a block's output is the next one's input."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -650,7 +650,7 @@ class LayerDrop(nn.Module):
         hidden = self.embed(x)
         for block in self.blocks:
             if not self.training or bool(torch.rand(()) >= 0.4):
-                hidden = hidden + block(hidden)
+                hidden = block(hidden)
         return self.head(hidden).square().mean()
 
 
