@@ -179,6 +179,8 @@ class GraphedModule:
             :func:`~lightning_fuse.replay.capture` by default.
         on_device: Whether a tensor input may enter the graph (CUDA tensors by default).
         compiles: Returns the number of compiles so far; a probe that compiles twice is not captured.
+        max_graphs: Graphs it may capture, one per call signature.
+        on_capture_failure: Called with the module, disabled, after its capture failed.
 
     The graph is captured on the first eligible call after :attr:`capture_allowed` is set: training mode, grad
     enabled, not under ``set_stance("force_eager")``, every tensor input on the device. A module that cannot be
@@ -198,6 +200,7 @@ class GraphedModule:
         on_device: Callable[[torch.Tensor], bool] = lambda tensor: tensor.is_cuda,
         compiles: Callable[[], int] = lambda: 0,
         max_graphs: int = 1,
+        on_capture_failure: Callable[[GraphedModule], None] | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -214,6 +217,7 @@ class GraphedModule:
         self._on_device = on_device
         self._compiles = compiles
         self.max_graphs = max_graphs
+        self._on_capture_failure = on_capture_failure
         self._graphs: dict[tuple, tuple[FlatCall, Any]] = {}  # ((call, trainable set), slot) -> (adapter, replay)
         self._slots = OutputSlots()
         self._params = list(module.parameters())
@@ -268,12 +272,14 @@ class GraphedModule:
             self._graphs.clear()
             gc.collect()
 
-    def disable(self, reason: str) -> None:
-        """Run without the graph for the rest of the fit, with one warning saying why."""
+    def disable(self, reason: str, warn: bool = True) -> None:
+        """Run without the graph for the rest of the fit, with one warning saying why (``warn=False``: none, where
+        another module's warning says it)."""
         if self.disabled_reason is None:
             self.disabled_reason = reason
             self.release()
-            rank_zero_warn(f"FuseCallback: no CUDA graph over {self.name!r}: {reason}. It runs without one.")
+            if warn:
+                rank_zero_warn(f"FuseCallback: no CUDA graph over {self.name!r}: {reason}. It runs without one.")
 
     def begin_step(self, grads_zeroed_after_forward: bool) -> None:
         """A training step begins (:attr:`grads_zeroed_after_forward` says how its gradients are zeroed)."""
@@ -384,6 +390,8 @@ class GraphedModule:
             self.disable(self._capture_failure(err, probed))
         finally:
             self._capturing = False
+        if self.disabled_reason is not None and self._on_capture_failure is not None:
+            self._on_capture_failure(self)
 
     def _capture_failure(self, err: Exception, probed: int | None) -> str:
         """Why the capture failed, for the warning: a region that compiled inside it says so (the code around the

@@ -687,6 +687,35 @@ def test_each_region_replays_its_own_graph_whatever_ran_before_it(monkeypatch):
     assert all(compat.compiled_call_impl(block) is None for block in net.blocks)
 
 
+def test_a_region_whose_capture_failed_spares_the_regions_of_its_class_their_attempts(monkeypatch):
+    """The regions of one class run the same code: where the first one's capture fails, the others' would fail
+    alike (each attempt a probe and a cleanup), so they run without a graph unattempted; a region of another class
+    still tries its own."""
+    tried: list[int] = []
+
+    def failing_capture(flat, tensors, num_warmup_iters):
+        tried.append(len(tensors))
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    graphed = lambda *args, **kwargs: GraphedModule(*args, **kwargs, capture=failing_capture,
+                                                   on_device=lambda tensor: True)
+    monkeypatch.setattr(plan_module, "GraphedModule", graphed)
+    net = LayerDrop()
+    regions = [Region(f"blocks.{i}", block) for i, block in enumerate(net.blocks)] + [Region("head", net.head)]
+    plan = RegionGraphs(Setting(regions, ("net", net), CompileOptions(backend="eager"), CUDA))
+    plan.install()
+    with pytest.warns(UserWarning, match="no CUDA graph over") as warned:
+        for _ in range(2):
+            with torch.random.fork_rng():
+                torch.manual_seed(1)  # no block skipped: blocks.0 is the first tried
+                net(torch.randn(5, 4)).backward()
+    assert len(tried) == 2, "blocks.0, then head; not blocks.1 nor blocks.2"
+    assert len(warned) == 2
+    assert "a region of its class" in plan.graphs()[1].disabled_reason
+    assert plan.failure.startswith("no graph: the capture failed")
+    plan.uninstall()
+
+
 def test_graphs_over_a_model_whose_parameters_got_new_storage_between_epochs_are_captured_again(caplog):
     """Lightning's ModelPruning renames each pruned ``weight`` (``weight_orig`` and a mask buffer) and, with its
     lottery-ticket reset, gives the parameters new storage (``param.data = ...``) at an epoch's end; a graph
