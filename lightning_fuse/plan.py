@@ -250,8 +250,7 @@ class Regions(Plan):
         self._tree_sizes = RepeatedSizes() if self.cudagraph_trees else None
         self._restore_tree_sizes: Callable[[], None] | None = None
         options = setting.options
-        static = graph or self.per_region_graphs  # a graph's shapes are static: do not let dynamo turn dims dynamic
-        if static and options.dynamic is None:
+        if (graph or self.per_region_graphs) and options.dynamic is None:  # a graph's shapes: no dim made dynamic
             options = replace(options, dynamic=False)
         self._runners = [CompiledRegion(region, options, setting.tracker, setting.policy) for region in setting.regions]
         self.watch = OutputWatch() if self.cudagraph_trees else None
@@ -444,6 +443,9 @@ class RegionGraphs(Regions):
     mask; its one graph failed, and torch's cudagraph trees, which record one path of calls at a time, recorded
     again at most steps (``regions+trees`` ran 6-12x of eager on an H200). A region's own graph replays whatever
     ran before it. A region whose own call syncs or varies runs compiled without a graph (each graph says why).
+    Where ``reduce-overhead`` ran faster than eager, it is not tried: on an H200 its capture failed on the layers of
+    DeBERTa-v2 and BLOOM, whose ``reduce-overhead`` won, at 14.1 and 3.7 s of their cold searches (at e29d9a4);
+    Wav2Vec2's ``reduce-overhead`` ran 11x of eager in its search, and this plan won at 0.34x.
 
     Example::
 
@@ -460,7 +462,8 @@ class RegionGraphs(Regions):
 
     def __init__(self, setting: Setting) -> None:
         super().__init__(setting, graph=False)
-        self.name, self.records_graphs, self.dominated_by = "regions+graphs", True, ("compile+graph",)
+        self.name, self.records_graphs = "regions+graphs", True
+        self.dominated_by = ("compile+graph", "reduce-overhead")
         self.region_graphs = [self._graphed(runner.name, runner.region.module, on_capture_failure=self._fails_alike)
                               for runner in self._runners]  # fmt: skip
 
