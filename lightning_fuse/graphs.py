@@ -180,7 +180,7 @@ class GraphedModule:
         on_device: Whether a tensor input may enter the graph (CUDA tensors by default).
         compiles: Returns the number of compiles so far; a probe that compiles twice is not captured.
         max_graphs: Graphs it may capture, one per call signature.
-        on_capture_failure: Called with the module, disabled, after its capture failed.
+        on_capture_failure: Called with this GraphedModule, disabled, after its capture failed.
 
     The graph is captured on the first eligible call after :attr:`capture_allowed` is set: training mode, grad
     enabled, not under ``set_stance("force_eager")``, every tensor input on the device. A module that cannot be
