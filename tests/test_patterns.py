@@ -10,6 +10,7 @@ the comparison trivial, so :func:`~tests.user_models.pin_search` makes the searc
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import lightning as L
 import pytest
@@ -21,7 +22,8 @@ import lightning_fuse.callback as fuse_callback
 import lightning_fuse.plan as plan_module
 import lightning_fuse.start as start_module
 from lightning_fuse.graphs import GraphedModule
-from tests.faults import DropAfterActivation, FakeOptimizerCapture
+from lightning_fuse.plan import Plan, RegionGraphs, Regions
+from tests.faults import DropAfterActivation, FakeOptimizerCapture, grad_buffer_capture
 from tests.user_models import (
     BF16,
     FP32,
@@ -77,6 +79,27 @@ def test_hf_gradient_checkpointing(monkeypatch, use_reentrant):
     fused = fit(make, [cb])
     assert_plan_ran(cb, "regions")
     assert cb.plan.runners and all(r.name.startswith("model.transformer.h.") for r in cb.plan.runners)
+    assert_same_training(fused, eager)
+
+
+# ---------------------------------------------------------------------------------------------- layer drop
+def test_blocks_skipped_at_random_train_under_a_graph_each_as_eagerly(monkeypatch):
+    """On a CPU, the search a GPU makes for a network that skips blocks at random in training (HF Wav2Vec2's
+    ``layerdrop``, a host sync each): the graph over the regions fails on the sync between them, and
+    ``regions+graphs``, a graph per block (captures faked: the replay writes the gradients into buffers of its own),
+    trains as eager does, whichever blocks each step skipped."""
+    on_a_gpu = lambda setting: replace(setting, device=CUDA)
+    monkeypatch.setattr(start_module, "candidates", lambda setting: [
+        Plan(), Regions(on_a_gpu(setting), graph=True), RegionGraphs(on_a_gpu(setting))])  # fmt: skip
+    monkeypatch.setattr(plan_module, "syncs_between_regions", lambda *args, **kwargs: "called a synchronizing op")
+    monkeypatch.setattr(plan_module, "GraphedModule", partial(GraphedModule, capture=grad_buffer_capture,
+                                                              on_device=lambda tensor: True))  # fmt: skip
+    pin_search(monkeypatch, winner="regions+graphs")
+    fused, eager, cb = fused_and_eager(lambda: ClassifierTask(BlockNet(layer_drop=0.3)))
+    assert_plan_ran(cb, "regions+graphs")
+    assert cb.decision.trials[1].outcome.startswith("failed: it syncs with the host outside its regions")
+    assert "graphs: 3 of 3 regions captured" in cb.fit.what_ran()
+    assert all(row["fuse/graph_replays"] > 0 for row in cb.history)
     assert_same_training(fused, eager)
 
 

@@ -141,15 +141,20 @@ def assert_plan_ran(cb: FuseCallback, winner: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- plain blocks
 class BlockNet(Net):
-    """Embedding, repeated blocks (optionally under activation checkpointing), a head."""
+    """Embedding, repeated blocks (optionally under activation checkpointing, or each skipped at random in training
+    with probability ``layer_drop``, as HF Wav2Vec2 does), a head."""
 
-    def __init__(self, width: int = 16, depth: int = 3, classes: int = 4, use_reentrant: bool | None = None) -> None:
+    def __init__(self, width: int = 16, depth: int = 3, classes: int = 4, use_reentrant: bool | None = None,
+                 layer_drop: float = 0.0) -> None:  # fmt: skip
         super().__init__(width, depth, classes)
         self.use_reentrant = use_reentrant  # None: no checkpointing
+        self.layer_drop = layer_drop
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.embed(x)
         for block in self.blocks:
+            if self.training and self.layer_drop and bool(torch.rand(()) < self.layer_drop):  # a sync on a GPU
+                continue
             if self.use_reentrant is None:
                 x = block(x)
             else:
