@@ -396,7 +396,7 @@ class Whole(Regions):
         elif mode in GRAPHING_MODES:
             self.name, self.dominated_by = mode, ("compile+graph",)
         else:
-            self.name, self.dominated_by = "compile", ("reduce-overhead", "regions", "compile+graph")
+            self.name, self.dominated_by = "compile", ("reduce-overhead", "regions", "compile+graph", "regions+graphs")
 
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         on_cuda = self.setting.device.type == "cuda"
@@ -445,7 +445,10 @@ class RegionGraphs(Regions):
     ran before it. A region whose own call syncs or varies runs compiled without a graph (each graph says why).
     Where ``reduce-overhead`` ran faster than eager, it is not tried: on an H200 its capture failed on the layers of
     DeBERTa-v2 and BLOOM, whose ``reduce-overhead`` won, at 14.1 and 3.7 s of their cold searches (at e29d9a4);
-    Wav2Vec2's ``reduce-overhead`` ran 11x of eager in its search, and this plan won at 0.34x.
+    Wav2Vec2's ``reduce-overhead`` ran 11x of eager in its search, and this plan won at 0.34x. Where it runs faster
+    than eager, ``regions+trees``, ``regions`` and ``compile`` are not tried, as where ``regions`` does: Wav2Vec2's
+    ``compile`` trial, which ran no faster than eager, took 9.3-15.1 s of cold setups of 52.9-63.4 s (four
+    searches on an H200, at 5832f66-342e7a3).
 
     Example::
 
