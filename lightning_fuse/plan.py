@@ -139,6 +139,8 @@ class Plan:
     mode."""
     graph: GraphedModule | None = None
     """Its one CUDA graph over the network's forward and backward, if it has one."""
+    region_graphs: Sequence[GraphedModule] = ()
+    """Its CUDA graphs, one per region, where it has no graph over the network (``regions+graphs``)."""
     trees_failure: str | None = None
     """Why a region's call failed in torch's cudagraph trees, once the plan watches for it
     (:meth:`watch_trees_failures`)."""
@@ -173,8 +175,8 @@ class Plan:
         return []
 
     def graphs(self) -> list[GraphedModule]:
-        """Its CUDA graphs of FuseCallback's own: :attr:`graph`, or one per region (``regions+graphs``)."""
-        return [self.graph] if self.graph is not None else []
+        """Its CUDA graphs of FuseCallback's own: :attr:`graph`, or :attr:`region_graphs`."""
+        return [self.graph] if self.graph is not None else list(self.region_graphs)
 
     def graphs_line(self) -> str | None:
         """What became of its CUDA graphs of FuseCallback's own, for the fit's summary (``None``: it has none)."""
@@ -260,7 +262,6 @@ class Regions(Plan):
         self._graphed = partial(GraphedModule, compiles=lambda: setting.tracker.total_compiles,
                                 max_graphs=setting.max_graphs)  # fmt: skip
         self.graph = self._graphed(*setting.target) if graph else None
-        self.region_graphs: list[GraphedModule] = []
 
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         if self.graph is None:
@@ -315,9 +316,6 @@ class Regions(Plan):
     def modules(self) -> list[nn.Module]:
         modules = [runner.region.module for runner in self._runners]
         return modules + [self.graph.module] if self.graph is not None else modules
-
-    def graphs(self) -> list[GraphedModule]:
-        return [self.graph] if self.graph is not None else self.region_graphs
 
     @property
     def runners(self) -> list[CompiledRegion]:
