@@ -178,6 +178,10 @@ LOSS_OFF = "†"
 """Marks a one-line fit whose final loss missed eager's of as many steps (:data:`LOSS_RTOL`)."""
 MOST_RECOMPILES = 2
 """Varying lengths without buckets: at most this many recompiles of any one region (the issue's check)."""
+USER_COMPILED = ("precompiled",)
+"""Patterns whose ``eager`` fit is the user's own compile (``model.compile()`` before the fit): fuse's logged speedup
+is against eager (its reference steps bypass the user's compile, :class:`~lightning_fuse.plan.UserCompiled`), which
+no fit here measured, so the checks show it without holding it to the separate fits' ratio."""
 OVER_ONE_LINE = 1.05
 """``fuse`` at most this many times ``model.compile(mode="reduce-overhead")``'s step: the zoo's limit for the best
 one line, so that a plan the search found and then passed over shows (the varying lengths, 2026-11-27)."""
@@ -321,8 +325,9 @@ def checks(records: list[dict]) -> str:
     compiling (``compile_s``); the bucketed pattern is held to the unbucketed one's eager and one-line fits, on the same
     batches. A one-line fit whose final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses
     (the check still holds fuse to it): on the GPU the one line of ``torch.compile`` left the second optimizer's half
-    untrained under ``toggle_optimizer``. A check whose sides were not both measured is left out; the fits that
-    crashed are named.
+    untrained under ``toggle_optimizer``. The logged speedup of :data:`USER_COMPILED` patterns is shown, not held to
+    their separate fits (their eager fit is the user's compile). A check whose sides were not both measured is left
+    out; the fits that crashed are named.
 
     Example::
 
@@ -383,7 +388,7 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     star = "" if "most_recompiles" in fuse else "*"
     sides = (fuse.get("wall_s"), same_fit.get("wall_s"), fuse.get("compile_s"))
     wall = (sides[0], sides[1] + sides[2]) if None not in sides else None
-    logged, holds = _logged(fuse, eager)
+    logged, holds = _logged(fuse, None if pattern in USER_COMPILED else eager)
     found = {"faster": over <= 1.0 if over is not None else None,
              "one_line": over_line <= OVER_ONE_LINE if over_line is not None else None,
              "loss": _trains_like(fuse, eager),
@@ -418,7 +423,8 @@ def _missed(pattern: str, one_line: dict, eager: dict) -> str:
 
 def _logged(fuse: dict, eager: dict | None) -> tuple[str, bool | None]:
     """The fuse fit's logged speedup with its interval beside the separate fits' ratio (eager's step over fuse's),
-    and whether the interval holds it (``None`` where a side is missing).
+    and whether the interval holds it (``None`` where a side is missing; without ``eager``, the logged speedup
+    alone).
 
     Example::
 
@@ -427,10 +433,12 @@ def _logged(fuse: dict, eager: dict | None) -> tuple[str, bool | None]:
         ('18.70 (13.60-26.60) / 7.43', False)
     """
     logged, low, high = (fuse.get(key) for key in ("speedup_logged", "speedup_low", "speedup_high"))
-    if logged is None or not eager:
+    if logged is None:
         return "-", None
-    true = eager["step_ms"] / fuse["step_ms"]
     interval = f" ({low:.2f}-{high:.2f})" if None not in (low, high) else ""
+    if not eager:
+        return f"{logged:.2f}{interval} / -", None
+    true = eager["step_ms"] / fuse["step_ms"]
     return f"{logged:.2f}{interval} / {true:.2f}", low <= true <= high if interval else None
 
 

@@ -189,7 +189,8 @@ def test_zoo_checks_mark_a_ratio_whose_rows_come_from_different_calls() -> None:
 
 
 def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_unbucketed_fits(tmp_path, capsys):
-    """The checks also mark a one line whose final loss missed eager's, naming both losses; it still holds fuse."""
+    """The checks also mark a one line whose final loss missed eager's, naming both losses (it still holds fuse), and
+    show a user's compile's logged speedup, against eager, without holding it to their separate fits."""
     import patterns
 
     def row(pattern: str, variant: str, **fields: Any) -> dict:
@@ -208,22 +209,26 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
         row("varying_length_buckets", "fuse", step_ms=11.0, final_loss=2.02, graphs=3, most_recompiles=0, **varying),
         row("moe", "eager", step_ms=90.0, final_loss=1.0, steps=230),
         row("moe", "fuse", step_ms=99.0, final_loss=2.0), row("two_optimizers", "fuse", error="RuntimeError: boom"),
+        # the eager fit is the user's compile; the logged speedup is against eager: shown, not held
+        row("precompiled", "eager", step_ms=20.0, final_loss=2.0),
+        row("precompiled", "fuse", step_ms=10.0, final_loss=2.0, speedup_logged=6.0, speedup_low=5.5, speedup_high=6.5),
     ]  # fmt: skip
     text = patterns.checks(records)
     lines = text.splitlines()
-    assert lines[2:6] == [
+    assert lines[2:7] == [
         ("| llama | lora | 8 | 50.00 | 9.00 | - | 0.18 | 1.00† reduce_overhead | 10.9 / 10.2 | - | - | - | "
          "5.50 (5.00-6.00) / 5.56 |"),
         # eager's 230 steps: no loss to hold
         "| llama | moe | 8 | 90.00 | 99.00 | - | 1.10 | - | - | - | - | - | - |",
+        "| llama | precompiled | 8 | 20.00 | 10.00 | - | 0.50 | - | 2 / 2 | - | - | - | 6.00 (5.50-6.50) / - |",
         ("| llama | varying_length | 8 | 60.00 | 12.00 | - | 0.20 | 1.33 compile | 2.01 / 2 | 3 | - | 90 / 80 | "
          "18.70 (13.60-26.60) / 5.00 |"),
         ("| llama | varying_length_buckets | 8 | 60.00 | 11.00 | - | 0.18 | 1.22 compile | 2.02 / 2 | 0 | 3 | 90 / 80 "
          "| - |"),
     ]  # fmt: skip
     assert lines[-1] == (
-        "4 cases, 1 crashed fits (llama two_optimizers 8 fuse); fuse <= eager in 3 of 4; <= 1.05x the best one "
-        "line in 1 of 3; final loss within bf16's tolerance of eager's in 2 of 3; varying lengths: <= 2 "
+        "5 cases, 1 crashed fits (llama two_optimizers 8 fuse); fuse <= eager in 4 of 5; <= 1.05x the best one "
+        "line in 1 of 3; final loss within bf16's tolerance of eager's in 3 of 4; varying lengths: <= 2 "
         "recompiles of a region in 0 of 1, <= one graph a bucket in 1 of 1, wall <= eager's + compiling in 0 of 2; the "
         "logged interval holds the separate fits' ratio in 1 of 2. † The one line's final loss missed eager's: lora "
         "(12 / 10.2).")
