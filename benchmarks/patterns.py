@@ -323,7 +323,8 @@ def checks(records: list[dict]) -> str:
     (at most :data:`MOST_RECOMPILES`; a record before ``most_recompiles`` gives the fit's total, an upper bound,
     starred), the CUDA graphs with buckets (at most one a bucket) and its fit's wall time against eager's plus fuse's
     compiling (``compile_s``); the bucketed pattern is held to the unbucketed one's eager and one-line fits, on the same
-    batches. A one-line fit whose final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses
+    batches. A loss is the run's last repeat's, its repeats' range in brackets (:func:`_loss`). A one-line fit whose
+    final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses
     (the check still holds fuse to it): on the GPU the one line of ``torch.compile`` left the second optimizer's half
     untrained under ``toggle_optimizer``. The logged speedup of :data:`USER_COMPILED` patterns is shown, not held to
     their separate fits (their eager fit is the user's compile). A check whose sides were not both measured is left
@@ -398,12 +399,24 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     cells = [model, pattern, batch, harness.figure(eager and eager["step_ms"]), harness.figure(fuse["step_ms"]),
              fuse.get("plan") or "-", harness.figure(over),
              f"{over_line:.2f}{LOSS_OFF if line_off else ''} {one_line['variant']}" if one_line else "-",
-             f"{losses[0]:.3g} / {losses[1]:.3g}" if losses else "-",
+             f"{_loss(fuse)} / {_loss(same_fit)}" if losses else "-",
              f"{most}{star}" if varying and most is not None else "-",
              fuse.get("graphs") if bucketed and fuse.get("graphs") is not None else "-",
              f"{wall[0]:.0f} / {wall[1]:.0f}" if varying and wall else "-", logged]  # fmt: skip
     return {**found, "line_off": _missed(pattern, one_line, eager) if line_off else None,
             "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
+
+
+def _loss(row: dict) -> str:
+    """A row's final loss, and the range of its run's repeats in brackets where pooled (``final_loss_range``).
+
+    Example::
+
+        >>> _loss({"final_loss": 2.692, "final_loss_range": "2.56-2.69"}), _loss({"final_loss": 2.53})
+        ('2.69 (2.56-2.69)', '2.53')
+    """
+    spread = row.get("final_loss_range")
+    return f"{row['final_loss']:.3g}" + (f" ({spread})" if spread else "")
 
 
 def _missed(pattern: str, one_line: dict, eager: dict) -> str:

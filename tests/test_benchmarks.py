@@ -190,7 +190,8 @@ def test_zoo_checks_mark_a_ratio_whose_rows_come_from_different_calls() -> None:
 
 def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_unbucketed_fits(tmp_path, capsys):
     """The checks also mark a one line whose final loss missed eager's, naming both losses (it still holds fuse), and
-    show a user's compile's logged speedup, against eager, without holding it to their separate fits."""
+    show a user's compile's logged speedup, against eager, without holding it to their separate fits, and a pooled
+    run's range of final losses."""
     import patterns
 
     def row(pattern: str, variant: str, **fields: Any) -> dict:
@@ -209,7 +210,8 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
         row("varying_length_buckets", "fuse", step_ms=11.0, final_loss=2.02, graphs=3, most_recompiles=0, **varying),
         row("moe", "eager", step_ms=90.0, final_loss=1.0, steps=230),
         row("moe", "fuse", step_ms=99.0, final_loss=2.0), row("two_optimizers", "fuse", error="RuntimeError: boom"),
-        # the eager fit is the user's compile; the logged speedup is against eager: shown, not held
+        # the eager fit is the user's compile; the logged speedup is against eager: shown, not held; two repeats
+        row("precompiled", "eager", step_ms=20.0, final_loss=2.1),
         row("precompiled", "eager", step_ms=20.0, final_loss=2.0),
         row("precompiled", "fuse", step_ms=10.0, final_loss=2.0, speedup_logged=6.0, speedup_low=5.5, speedup_high=6.5),
     ]  # fmt: skip
@@ -220,7 +222,8 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
          "5.50 (5.00-6.00) / 5.56 |"),
         # eager's 230 steps: no loss to hold
         "| llama | moe | 8 | 90.00 | 99.00 | - | 1.10 | - | - | - | - | - | - |",
-        "| llama | precompiled | 8 | 20.00 | 10.00 | - | 0.50 | - | 2 / 2 | - | - | - | 6.00 (5.50-6.50) / - |",
+        # a pooled run's loss: the last repeat's, their range in brackets
+        "| llama | precompiled | 8 | 20.00 | 10.00 | - | 0.50 | - | 2 / 2 (2-2.1) | - | - | - | 6.00 (5.50-6.50) / - |",
         ("| llama | varying_length | 8 | 60.00 | 12.00 | - | 0.20 | 1.33 compile | 2.01 / 2 | 3 | - | 90 / 80 | "
          "18.70 (13.60-26.60) / 5.00 |"),
         ("| llama | varying_length_buckets | 8 | 60.00 | 11.00 | - | 0.18 | 1.22 compile | 2.02 / 2 | 0 | 3 | 90 / 80 "
