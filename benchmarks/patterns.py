@@ -324,9 +324,9 @@ def checks(records: list[dict]) -> str:
     starred), the CUDA graphs with buckets (at most one a bucket) and its fit's wall time against eager's plus fuse's
     compiling (``compile_s``); the bucketed pattern is held to the unbucketed one's eager and one-line fits, on the same
     batches. A loss is the run's last repeat's, its repeats' range in brackets (:func:`_loss`). A one-line fit whose
-    final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses
-    (the check still holds fuse to it): on the GPU the one line of ``torch.compile`` left the second optimizer's half
-    untrained under ``toggle_optimizer``. The logged speedup of :data:`USER_COMPILED` patterns is shown, not held to
+    final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses (the check still holds fuse to
+    it): on the GPU the one line of ``torch.compile`` left the second optimizer's half untrained under
+    ``toggle_optimizer``. The logged speedup of :data:`USER_COMPILED` patterns is shown, not held to
     their separate fits (their eager fit is the user's compile). A check whose sides were not both measured is left
     out; the fits that crashed are named.
 
