@@ -326,9 +326,9 @@ def checks(records: list[dict]) -> str:
     batches. A loss is the run's last repeat's, its repeats' range in brackets (:func:`_loss`). A one-line fit whose
     final loss missed eager's is marked :data:`LOSS_OFF` and named with both losses (the check still holds fuse to
     it): on the GPU the one line of ``torch.compile`` left the second optimizer's half untrained under
-    ``toggle_optimizer``. The logged speedup of :data:`USER_COMPILED` patterns is shown, not held to
-    their separate fits (their eager fit is the user's compile). A check whose sides were not both measured is left
-    out; the fits that crashed are named.
+    ``toggle_optimizer``. The logged speedup of :data:`USER_COMPILED` patterns is shown, not held to their separate
+    fits (their eager fit is the user's compile). A check whose sides were not both measured is left out; the fits
+    that crashed are named.
 
     Example::
 
@@ -383,8 +383,7 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     over_line = fuse["step_ms"] / one_line["step_ms"] if one_line else None
     line_off = one_line is not None and not bucketed and _trains_like(one_line, eager) is False
     same_fit = eager if eager and eager.get("steps") == fuse.get("steps") else {}  # losses, wall: as many steps
-    losses = (fuse.get("final_loss"), same_fit.get("final_loss"))
-    losses = losses if None not in losses else None
+    both_losses = None not in (fuse.get("final_loss"), same_fit.get("final_loss"))
     most = fuse.get("most_recompiles", fuse.get("recompiles"))
     star = "" if "most_recompiles" in fuse else "*"
     sides = (fuse.get("wall_s"), same_fit.get("wall_s"), fuse.get("compile_s"))
@@ -399,7 +398,7 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     cells = [model, pattern, batch, harness.figure(eager and eager["step_ms"]), harness.figure(fuse["step_ms"]),
              fuse.get("plan") or "-", harness.figure(over),
              f"{over_line:.2f}{LOSS_OFF if line_off else ''} {one_line['variant']}" if one_line else "-",
-             f"{_loss(fuse)} / {_loss(same_fit)}" if losses else "-",
+             f"{_loss(fuse)} / {_loss(same_fit)}" if both_losses else "-",
              f"{most}{star}" if varying and most is not None else "-",
              fuse.get("graphs") if bucketed and fuse.get("graphs") is not None else "-",
              f"{wall[0]:.0f} / {wall[1]:.0f}" if varying and wall else "-", logged]  # fmt: skip
