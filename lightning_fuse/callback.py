@@ -249,6 +249,8 @@ class FuseCallback(Callback):
     def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         self.fit.mark_dynamic(self.dims, batch, "validate", lambda: trainer.val_dataloaders)
+        if self.fit.plan is not None:
+            self.fit.plan.evaluation_step_begin()
 
     @override
     def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,

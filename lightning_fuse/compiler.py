@@ -62,22 +62,29 @@ class RepeatedSizes:
     Under a mode of :data:`~lightning_fuse.options.GRAPHING_MODES`, inductor records one graph per input size of a
     dynamic shape (a size met again replays its graph). A graph pays only for a size that comes again: where each batch
     has its own length, the trees' first run of every size (a warm-up run in their memory pool) costs more than compiled
-    code alone, and its graph is never replayed. So a size's first call runs the compiled code without a graph, its
-    second starts the trees' recording, and past the first ``sizes`` sizes met again (memory for every graph) none
-    records. Inductor asks ``key in sizes`` at each call, the key being a compiled graph's integer inputs (``None``: it
-    has none, one graph), so each size counts once for the forward and once for the backward. Installed by
-    :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
+    code alone, and its graph is never replayed. So a size runs the compiled code without a graph in the step it is
+    first met, its next step starts the trees' recording, and past the first ``sizes`` sizes met again (memory for
+    every graph) none records. Inductor asks ``key in sizes`` at each call, the key being a compiled graph's integer
+    inputs (``None``: it has none, one graph). "Met again" counts in steps (:meth:`next_step`), not calls: a step's
+    calls often share a key (on an H200, a Llama's and a DeBERTa's forward and backward both asked ``(length,)``, and
+    a network broken into several graphs asks once per graph), and counted in calls, the backward recorded a graph for
+    every new size in its very first step. Up to ``2 * sizes`` keys record (a size's forward and backward may have two).
+    Installed by :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
 
-    Evaluation calls (:attr:`evaluating`: a validation loop's) have ``sizes`` of their own, and only the training
-    calls' sizes refused count in :attr:`refused`: on an H200, Bloom generating 80 tokens in its validation (before
-    ``generate`` ran eagerly, :class:`~lightning_fuse.kv_cache.EagerGeneration`) filled the training calls' cap, so
-    that the fit handed its training steps, of one size throughout, over to the compile without graphs.
+    Evaluation calls (:attr:`evaluating`: a validation loop's, each batch a step) have ``sizes`` of their own, and
+    only the training calls' sizes refused count in :attr:`refused`: on an H200, Bloom generating 80 tokens in its
+    validation (before ``generate`` ran eagerly, :class:`~lightning_fuse.kv_cache.EagerGeneration`) filled the
+    training calls' cap, so that the fit handed its training steps, of one size throughout, over to the compile
+    without graphs.
 
     Example::
 
         >>> sizes = RepeatedSizes(sizes=1)
-        >>> [key in sizes for key in (64, 64, (64, 8), (64, 8), 64, 96, 96, None)]
-        [False, True, False, True, True, False, False, True]
+        >>> [key in sizes for key in (64, 64)]  # a forward and its backward, in the step 64 is first met
+        [False, False]
+        >>> sizes.next_step()
+        >>> [key in sizes for key in (64, 64, None)]
+        [True, True, True]
     """
 
     def __init__(self, sizes: int = TREE_SIZES) -> None:
@@ -86,15 +93,21 @@ class RepeatedSizes:
         """Training calls' sizes refused a graph."""
         self.evaluating = False
         """Whether the calls from now are evaluation's rather than training's."""
-        self._met: dict[bool, set[Any]] = {False: set(), True: set()}  # evaluating -> sizes met
+        self._steps = {False: 0, True: 0}  # evaluating -> steps begun
+        self._met: dict[bool, dict[Any, int]] = {False: {}, True: {}}  # evaluating -> size -> the step it was met in
         self._recorded: dict[bool, set[Any]] = {False: set(), True: set()}
+
+    def next_step(self) -> None:
+        """A new step begins (a training iteration, or an evaluation batch while :attr:`evaluating`): the sizes met
+        so far count as met again when they come."""
+        self._steps[self.evaluating] += 1
 
     def __contains__(self, key: Any) -> bool:
         met, recorded = self._met[self.evaluating], self._recorded[self.evaluating]
         if key is None or key in recorded:
             return True
-        if key not in met:
-            met.add(key)
+        step = self._steps[self.evaluating]
+        if met.setdefault(key, step) == step:  # first met in this step
             return False
         if len(recorded) < 2 * self.sizes:
             recorded.add(key)
@@ -102,9 +115,9 @@ class RepeatedSizes:
         if self.evaluating:
             return False
         if not self.refused:
-            rank_zero_info(f"FuseCallback: torch's CUDA graphs were recorded for {self.sizes} input sizes of the "
-                           "training steps, the most one fit records; new sizes run compiled, without a graph. Pad the "
-                           "lengths to a few sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
+            rank_zero_info("FuseCallback: torch's CUDA graphs were recorded for as many input sizes of the training "
+                           "steps as one fit records; new sizes run compiled, without a graph. Pad the lengths to a "
+                           "few sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
         self.refused += 1
         return False
 

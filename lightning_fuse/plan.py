@@ -158,6 +158,9 @@ class Plan:
     def set_evaluating(self, evaluating: bool) -> None:
         """Whether the calls from now are evaluation's (a validation loop's) rather than training's."""
 
+    def evaluation_step_begin(self) -> None:
+        """Called before every batch of a validation loop while this plan is installed."""
+
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         """Why this plan cannot work here, found cheaply before it is compiled (``None``: try it).
         ``forward_backward()`` is one forward and backward of the network on the search's inputs, unsynchronised."""
@@ -297,10 +300,16 @@ class Regions(Plan):
             torch.compiler.cudagraph_mark_step_begin()
         if self.watch is not None:
             self.watch.clear()
+        if self._tree_sizes is not None:
+            self._tree_sizes.next_step()
 
     def set_evaluating(self, evaluating: bool) -> None:
         if self._tree_sizes is not None:  # evaluation's sizes are capped apart (RepeatedSizes)
             self._tree_sizes.evaluating = evaluating
+
+    def evaluation_step_begin(self) -> None:
+        if self._tree_sizes is not None:
+            self._tree_sizes.next_step()
 
     def watch_trees_failures(self) -> None:
         def note(reason: str) -> None:

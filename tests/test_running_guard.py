@@ -98,15 +98,20 @@ def test_a_user_who_turned_cudnn_attention_off_keeps_it_off():
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
-def test_torch_cuda_graphs_record_for_sizes_met_again_up_to_a_cap_and_other_sizes_run_compiled_without_one(capsys):
-    sizes = RepeatedSizes(sizes=2)  # 2 sizes: a forward's and a backward's key each
-    first = [key in sizes for key in (64, (64, 3), 96, (96, 3))]
-    assert first == [False] * 4  # a size's first call: compiled code alone (its graph might never replay)
-    again = [key in sizes for key in (64, (64, 3), 96, (96, 3), 64, (96, 3))]
-    assert again == [True] * 6 and sizes.refused == 0
-    assert 128 not in sizes and 128 not in sizes and (128, 3) not in sizes and sizes.refused == 1  # past the cap
-    assert None in sizes  # a graph without dynamic sizes is one graph: never refused
-    assert capsys.readouterr().err.count("recorded for 2 input sizes") <= 1
+def test_torch_cuda_graphs_record_for_sizes_met_again_in_a_later_step_up_to_a_cap(capsys):
+    """On an H200 a Llama's and a DeBERTa's forward and backward asked the same key, ``(length,)``: counted in calls,
+    the backward recorded a graph in the first step of every size."""
+    sizes = RepeatedSizes(sizes=1)  # 2 keys
+    first = [key in sizes for key in ((64,), (64,), 96, (96, 3))]  # one step: forward and backward of each size
+    assert first == [False] * 4, "a size's first step: compiled code alone (its graph might never replay)"
+    sizes.next_step()
+    again = [key in sizes for key in ((64,), (64,), 96, (96, 3))]
+    assert again == [True, True, True, False] and sizes.refused == 1, "met again: recorded, up to 2 keys"
+    assert (128,) not in sizes and (128,) not in sizes, "a new size runs without a graph"
+    sizes.next_step()
+    assert (128,) not in sizes and sizes.refused == 2, "past the cap, a size met again is refused"
+    assert None in sizes and (64,) in sizes, "a graph without dynamic sizes is one graph; a recorded size replays"
+    assert capsys.readouterr().err.count("as many input sizes of the training steps as one fit records") <= 1
     assert pickle.loads(pickle.dumps(sizes)).refused == 0  # inductor's cache key sees the cap, not the sizes met
 
 
@@ -114,13 +119,22 @@ def test_evaluation_calls_have_a_cap_of_sizes_of_their_own_and_never_count_as_tr
     """On an H200 Bloom, under ``reduce-overhead`` chosen by measurement, generated 80 tokens in its validation (an HF
     model's ``generate`` meets a new cache length at every token): those sizes filled the cap, and the fit handed its
     training steps, of one size throughout, over to the compile without graphs."""
-    sizes = RepeatedSizes(sizes=1)  # 2 keys: a forward's and a backward's
+    sizes = RepeatedSizes(sizes=1)  # 2 keys
     sizes.evaluating = True
-    generated = [key in sizes for length in (32, 33, 34, 35) for key in ((length,), (length,))]
-    assert generated == [False, True, False, True, False, False, False, False], "met again, up to evaluation's cap"
+    generated = []
+    for _batch in range(2):
+        generated.append([(length,) in sizes for length in (32, 33, 34)])
+        sizes.next_step()
+    assert generated == [[False] * 3, [True, True, False]], "met again in a later batch, up to evaluation's cap"
     assert sizes.refused == 0
     sizes.evaluating = False
-    training = [key in sizes for key in (64, 64, (32,), (32,), 96, 96)]
+    training = [(64,) in sizes]
+    sizes.next_step()
+    training += [(64,) in sizes, (32,) in sizes]
+    sizes.next_step()
+    training += [(32,) in sizes, (96,) in sizes]
+    sizes.next_step()
+    training += [(96,) in sizes]
     assert training == [False, True, False, True, False, False], "training's cap, untouched by evaluation's sizes"
     assert sizes.refused == 1
     sizes.evaluating = True
@@ -131,14 +145,23 @@ def test_the_callback_tells_the_plan_that_a_validation_loop_calls_it_and_that_tr
     regions_win_on_a_fake_clock(monkeypatch)
     told = []
     monkeypatch.setattr(plan_module.Regions, "set_evaluating", lambda plan, evaluating: told.append(evaluating))
+    monkeypatch.setattr(plan_module.Regions, "evaluation_step_begin", lambda plan: told.append("batch"))
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
     trainer([fuse], max_epochs=2, limit_val_batches=2).fit(ToyTask(samples=16 * 8))
-    assert fuse.plan.name == "regions" and told == [True, False, True, False], "the sanity check ran before the plan"
+    loop = [True, "batch", "batch", False]  # each validation batch a step of its own for the trees' sizes
+    assert fuse.plan.name == "regions" and told == loop * 2, "the sanity check ran before the plan"
     setting = Setting([], graph_target(ToyTask()), CompileOptions(backend="eager"), CUDA)
     monkeypatch.undo()
     plan = Whole(setting, "reduce-overhead")  # its trees' cap, made for a (faked) CUDA device
     plan.set_evaluating(True)
     assert plan._tree_sizes.evaluating
+    assert (8,) not in plan._tree_sizes
+    plan.evaluation_step_begin()
+    assert (8,) in plan._tree_sizes, "a size met again in the next evaluation batch records"
+    plan.set_evaluating(False)
+    assert (8,) not in plan._tree_sizes
+    plan.step_begin()
+    assert (8,) in plan._tree_sizes, "and in the next training iteration"
 
 
 def test_a_plan_under_torch_graphs_caps_their_sizes_while_installed_and_gives_the_setting_back():
