@@ -65,17 +65,19 @@ class RepeatedSizes:
     code alone, and its graph is never replayed. So a size runs the compiled code without a graph in the step it is
     first met, its next step starts the trees' recording, and past the first ``sizes`` sizes met again (memory for
     every graph) none records. Inductor asks ``key in sizes`` at each call, the key being a compiled graph's integer
-    inputs (``None``: it has none, one graph). "Met again" counts in steps (:meth:`next_step`), not calls: a step's
-    calls often share a key (on an H200, a Llama's and a DeBERTa's forward and backward both asked ``(length,)``, and
-    a network broken into several graphs asks once per graph), and counted in calls, the backward recorded a graph for
-    every new size in its very first step. Up to ``2 * sizes`` keys record (a size's forward and backward may have two).
-    Installed by :func:`compat.cap_cudagraph_sizes` while a plan under the trees is installed.
+    inputs (``None``: it has none, one graph); a size's forward and backward may ask two keys, so ``2 * sizes`` keys
+    record. "Met again" counts in steps (:meth:`next_step`), not calls: a step's calls often share a key (on an H200,
+    a Llama's and a DeBERTa's forward and backward both asked ``(length,)``, and a network broken into several graphs
+    asks once per graph); counted in calls, the backward recorded a graph in the first step of every new size, and
+    DeBERTa's steps took 108 ms against 62 once counted in steps. Installed by :func:`compat.cap_cudagraph_sizes`
+    while a plan under the trees is installed.
 
-    Evaluation calls (:attr:`evaluating`: a validation loop's, each batch a step) have ``sizes`` of their own, and
-    only the training calls' sizes refused count in :attr:`refused`: on an H200, Bloom generating 80 tokens in its
-    validation (before ``generate`` ran eagerly, :class:`~lightning_fuse.kv_cache.EagerGeneration`) filled the
-    training calls' cap, so that the fit handed its training steps, of one size throughout, over to the compile
-    without graphs.
+    Once the training calls have met more keys than record (:attr:`full`), most of their sizes will run without a
+    graph; the fit then hands over to the same compile without the trees (:data:`~lightning_fuse.fit.SIZES_FULL`).
+    Evaluation calls (:attr:`evaluating`: a validation loop's, each batch a step) have ``sizes`` of their own and
+    never make it full: on an H200, Bloom generating 80 tokens in its validation (before ``generate`` ran eagerly,
+    :class:`~lightning_fuse.kv_cache.EagerGeneration`) filled the training calls' cap, so that the fit handed its
+    training steps, of one size throughout, over to the compile without graphs.
 
     Example::
 
@@ -89,12 +91,12 @@ class RepeatedSizes:
 
     def __init__(self, sizes: int = TREE_SIZES) -> None:
         self.sizes = sizes
-        self.refused = 0
-        """Training calls' sizes refused a graph."""
+        self.full = False
+        """Whether the training calls met more keys than record graphs."""
         self.evaluating = False
         """Whether the calls from now are evaluation's rather than training's."""
         self._steps = {False: 0, True: 0}  # evaluating -> steps begun
-        self._met: dict[bool, dict[Any, int]] = {False: {}, True: {}}  # evaluating -> size -> the step it was met in
+        self._met: dict[bool, dict[Any, int]] = {False: {}, True: {}}  # evaluating -> key -> the step it was met in
         self._recorded: dict[bool, set[Any]] = {False: set(), True: set()}
 
     def next_step(self) -> None:
@@ -107,19 +109,16 @@ class RepeatedSizes:
         if key is None or key in recorded:
             return True
         step = self._steps[self.evaluating]
-        if met.setdefault(key, step) == step:  # first met in this step
+        met_now = met.setdefault(key, step) == step  # first met in this step
+        if not self.evaluating and not self.full and len(met) > 2 * self.sizes:
+            self.full = True
+            rank_zero_info(f"FuseCallback: the training steps met more input sizes than torch's CUDA graphs record "
+                           f"in one fit ({self.sizes}): most run compiled, without a graph. Pad the lengths to a few "
+                           "sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
+        if met_now or len(recorded) >= 2 * self.sizes:
             return False
-        if len(recorded) < 2 * self.sizes:
-            recorded.add(key)
-            return True
-        if self.evaluating:
-            return False
-        if not self.refused:
-            rank_zero_info("FuseCallback: torch's CUDA graphs were recorded for as many input sizes of the training "
-                           "steps as one fit records; new sizes run compiled, without a graph. Pad the lengths to a "
-                           "few sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
-        self.refused += 1
-        return False
+        recorded.add(key)
+        return True
 
     def __reduce__(self) -> tuple[type, tuple[int]]:
         # inductor keys its compile cache by its pickled config: the sizes met so far must not change the key

@@ -332,7 +332,7 @@ class Regions(Plan):
 
     @property
     def sizes_full(self) -> bool:
-        return self._tree_sizes is not None and self._tree_sizes.refused > 0
+        return self._tree_sizes is not None and self._tree_sizes.full
 
     @property
     def outputs_held(self) -> bool:

@@ -98,24 +98,33 @@ def test_a_user_who_turned_cudnn_attention_off_keeps_it_off():
         torch.backends.cuda.enable_cudnn_sdp(True)
 
 
-def test_torch_cuda_graphs_record_for_sizes_met_again_in_a_later_step_up_to_a_cap(capsys):
+def test_torch_cuda_graphs_record_for_sizes_met_again_in_a_later_step_up_to_a_cap(caplog):
     """On an H200 a Llama's and a DeBERTa's forward and backward asked the same key, ``(length,)``: counted in calls,
     the backward recorded a graph in the first step of every size."""
     sizes = RepeatedSizes(sizes=1)  # 2 keys
-    first = [key in sizes for key in ((64,), (64,), 96, (96, 3))]  # one step: forward and backward of each size
-    assert first == [False] * 4, "a size's first step: compiled code alone (its graph might never replay)"
-    sizes.next_step()
-    again = [key in sizes for key in ((64,), (64,), 96, (96, 3))]
-    assert again == [True, True, True, False] and sizes.refused == 1, "met again: recorded, up to 2 keys"
-    assert (128,) not in sizes and (128,) not in sizes, "a new size runs without a graph"
-    sizes.next_step()
-    assert (128,) not in sizes and sizes.refused == 2, "past the cap, a size met again is refused"
-    assert None in sizes and (64,) in sizes, "a graph without dynamic sizes is one graph; a recorded size replays"
-    assert capsys.readouterr().err.count("as many input sizes of the training steps as one fit records") <= 1
-    assert pickle.loads(pickle.dumps(sizes)).refused == 0  # inductor's cache key sees the cap, not the sizes met
+    with caplog.at_level("INFO"):
+        first = [key in sizes for key in ((64,), (64,), 96, (96, 3))]  # one step: each size's forward and backward
+        assert first == [False] * 4, "a size's first step: compiled code alone (its graph might never replay)"
+        assert sizes.full, "4 keys met, 2 record: most sizes would run without a graph"
+        sizes.next_step()
+        again = [key in sizes for key in ((64,), (64,), 96, (96, 3), (128,))]
+        assert again == [True, True, True, False, False], "met again: recorded, up to 2 keys"
+        sizes.next_step()
+        assert None in sizes and (64,) in sizes, "a graph without dynamic sizes is one graph; a recorded size replays"
+    assert caplog.text.count("met more input sizes than torch's CUDA graphs record") == 1, "said once"
+    assert not pickle.loads(pickle.dumps(sizes)).full  # inductor's cache key sees the cap, not the sizes met
 
 
-def test_evaluation_calls_have_a_cap_of_sizes_of_their_own_and_never_count_as_training_sizes_refused():
+def test_sizes_that_come_again_within_the_cap_never_fill_it():
+    sizes = RepeatedSizes(sizes=2)
+    for _epoch in range(3):
+        for length in (16, 32, 48):  # three lengths, forward and backward asking one key each
+            [(length,) in sizes for _call in range(2)]
+            sizes.next_step()
+    assert not sizes.full and all((length,) in sizes for length in (16, 32, 48))  # 3 of 4 keys: all replay
+
+
+def test_evaluation_calls_have_a_cap_of_sizes_of_their_own_and_never_fill_the_training_calls_cap():
     """On an H200 Bloom, under ``reduce-overhead`` chosen by measurement, generated 80 tokens in its validation (an HF
     model's ``generate`` meets a new cache length at every token): those sizes filled the cap, and the fit handed its
     training steps, of one size throughout, over to the compile without graphs."""
@@ -126,17 +135,12 @@ def test_evaluation_calls_have_a_cap_of_sizes_of_their_own_and_never_count_as_tr
         generated.append([(length,) in sizes for length in (32, 33, 34)])
         sizes.next_step()
     assert generated == [[False] * 3, [True, True, False]], "met again in a later batch, up to evaluation's cap"
-    assert sizes.refused == 0
+    assert not sizes.full
     sizes.evaluating = False
     training = [(64,) in sizes]
     sizes.next_step()
-    training += [(64,) in sizes, (32,) in sizes]
-    sizes.next_step()
-    training += [(32,) in sizes, (96,) in sizes]
-    sizes.next_step()
-    training += [(96,) in sizes]
-    assert training == [False, True, False, True, False, False], "training's cap, untouched by evaluation's sizes"
-    assert sizes.refused == 1
+    training += [(64,) in sizes]
+    assert training == [False, True], "training's cap, untouched by evaluation's sizes"
     sizes.evaluating = True
     assert (33,) in sizes, "evaluation's recorded sizes still replay"
 
