@@ -241,6 +241,24 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
     assert capsys.readouterr().out == text + "\n"
 
 
+def test_pattern_checks_leave_out_a_one_line_fit_from_another_machine():
+    """On two H200 machines minutes apart, DeBERTa's eager fit ran 92.7 and 61.3 ms a step: fuse against a one line
+    from another machine is no pair (rows from before ``machine`` was recorded still pair)."""
+    import patterns
+
+    def row(variant: str, step_ms: float, **fields: Any) -> dict:
+        return {"model": "deberta", "pattern": "lora", "batch_size": 16, "variant": variant, "steps": 100,
+                "step_ms": step_ms, "run_started": "2026-11-30", **fields}  # fmt: skip
+
+    records = [row("eager", 60.0, machine="b2"), row("fuse", 36.0, machine="b2"), row("compile", 71.0, machine="a1")]
+    lines = patterns.checks(records).splitlines()
+    assert lines[2].startswith("| deberta | lora | 16 | 60.00 | 36.00 | - | 0.60 | 0.51‡ compile |")
+    assert "<= 1.05x the best one line in 0 of 0" in lines[-1]
+    assert lines[-1].endswith("‡ Not counted, fuse and the one line ran on two machines: deberta lora.")
+    del records[2]["machine"]
+    assert "1 of 1" in patterns.checks(records).splitlines()[-1].split("the best one line in ")[1][:6]
+
+
 def test_regional_finds_the_repeated_blocks() -> None:
     from recipes.models import GPT, resnet18_cifar
 
