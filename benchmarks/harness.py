@@ -47,7 +47,7 @@ RECORD = "@record "
 KEYS = ("model", "source", "pattern", "strategy", "world_size", "batch_size", "epoch_steps", "optimizer", "seed",
         "data", "scheduler", "variant")
 """Fields that name what a record measured; the table keeps the newest record of each combination."""
-ENV = ("device", "torch", "run_started", "command", "commit", "bytecode")
+ENV = ("device", "machine", "torch", "run_started", "command", "commit", "bytecode")
 LIST_CELL = 8
 """A table shows a list of more values than this (a fit's step times) by its length: the records hold them."""
 STACKS_AT = "HARNESS_STACKS_AT"
@@ -451,11 +451,11 @@ def table(paths: Sequence[Path]) -> str:
         columns = [c for c in dict.fromkeys(c for r in [*records, *rows] for c in r) if c not in ENV]
         lines = [f"### {Path(path).name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         lines += ["| " + " | ".join(_cell(r.get(c)) for c in columns) + " |" for r in rows]
-        fields = ("run_started", "device", "torch", "commit", "bytecode", "command")
+        fields = ("run_started", "device", "machine", "torch", "commit", "bytecode", "command")
         runs = sorted({tuple(r.get(k) for k in fields) for r in rows}, key=str)
-        lines += [""] + [f"- {when}, {device}, torch {version}{f', commit {commit}' if commit else ''}"
-                         f"{f', bytecode {bytecode}' if bytecode else ''}: `{command}`"
-                         for when, device, version, commit, bytecode, command in runs]  # fmt: skip
+        lines += [""] + [f"- {when}, {device}{f' (machine {machine})' if machine else ''}, torch {version}"
+                         f"{f', commit {commit}' if commit else ''}{f', bytecode {bytecode}' if bytecode else ''}: "
+                         f"`{command}`" for when, device, machine, version, commit, bytecode, command in runs]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 

@@ -69,8 +69,9 @@ class RepeatedSizes:
     record. "Met again" counts in steps (:meth:`next_step`), not calls: a step's calls often share a key (on an H200,
     a Llama's and a DeBERTa's forward and backward both asked ``(length,)``, and a network broken into several graphs
     asks once per graph); counted in calls, the backward recorded a graph in the first step of every new size, and
-    DeBERTa's steps took 108 ms against 62 once counted in steps. Installed by :func:`compat.cap_cudagraph_sizes`
-    while a plan under the trees is installed.
+    DeBERTa's steps before the handover below ran 1.44x those after it, 1.18x once counted in steps
+    (``benchmarks/RESULTS.md``). Installed by :func:`compat.cap_cudagraph_sizes` while a plan under the trees is
+    installed.
 
     Once the training calls have met more keys than record (:attr:`full`), most of their sizes will run without a
     graph; the fit then hands over to the same compile without the trees (:data:`~lightning_fuse.fit.SIZES_FULL`).
@@ -112,9 +113,9 @@ class RepeatedSizes:
         met_now = met.setdefault(key, step) == step  # first met in this step
         if not self.evaluating and not self.full and len(met) > 2 * self.sizes:
             self.full = True
-            rank_zero_info(f"FuseCallback: the training steps met more input sizes than torch's CUDA graphs record "
-                           f"in one fit ({self.sizes}): most run compiled, without a graph. Pad the lengths to a few "
-                           "sizes with `pad_buckets` to keep every step in a graph.")  # fmt: skip
+            rank_zero_info("FuseCallback: the training steps met more input sizes than torch's CUDA graphs record in "
+                           "one fit: most run compiled, without a graph. Pad the lengths to a few sizes with "
+                           "`pad_buckets` to keep every step in a graph.")  # fmt: skip
         if met_now or len(recorded) >= 2 * self.sizes:
             return False
         recorded.add(key)

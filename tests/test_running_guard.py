@@ -119,7 +119,7 @@ def test_sizes_that_come_again_within_the_cap_never_fill_it():
     sizes = RepeatedSizes(sizes=2)
     for _epoch in range(3):
         for length in (16, 32, 48):  # three lengths, forward and backward asking one key each
-            [(length,) in sizes for _call in range(2)]
+            assert ((length,) in sizes) == ((length,) in sizes)
             sizes.next_step()
     assert not sizes.full and all((length,) in sizes for length in (16, 32, 48))  # 3 of 4 keys: all replay
 
