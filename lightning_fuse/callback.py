@@ -237,8 +237,6 @@ class FuseCallback(Callback):
         if self.fit.timer is not None:
             self.fit.timer.interrupt()  # the training step before validation would otherwise include it
             self.fit.pace.interrupt()
-        if self.fit.plan is not None:
-            self.fit.plan.set_evaluating(True)
 
     @override
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -250,7 +248,7 @@ class FuseCallback(Callback):
                                   batch_idx: int, dataloader_idx: int = 0) -> None:  # fmt: skip
         self.fit.mark_dynamic(self.dims, batch, "validate", lambda: trainer.val_dataloaders)
         if self.fit.plan is not None:
-            self.fit.plan.evaluation_step_begin()
+            self.fit.plan.set_evaluating(True)  # before each batch: a step of evaluation's for torch's graphs' sizes
 
     @override
     def on_test_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int,

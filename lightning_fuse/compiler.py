@@ -95,10 +95,16 @@ class RepeatedSizes:
         self.full = False
         """Whether the training calls met more keys than record graphs."""
         self.evaluating = False
-        """Whether the calls from now are evaluation's rather than training's."""
+        """Whether the calls from now are evaluation's rather than training's (:meth:`set_evaluating`)."""
         self._steps = {False: 0, True: 0}  # evaluating -> steps begun
         self._met: dict[bool, dict[Any, int]] = {False: {}, True: {}}  # evaluating -> key -> the step it was met in
         self._recorded: dict[bool, set[Any]] = {False: set(), True: set()}
+
+    def set_evaluating(self, evaluating: bool) -> None:
+        """The calls from now are evaluation's, or training's again; called before each evaluation batch, it begins
+        a step of evaluation's (:meth:`next_step`)."""
+        self.evaluating = evaluating
+        self.next_step()
 
     def next_step(self) -> None:
         """A new step begins (a training iteration, or an evaluation batch while :attr:`evaluating`): the sizes met

@@ -57,9 +57,8 @@ among the fit's candidates taken (where the regions are the whole network, ``reg
 ``compile`` candidate is made: :func:`candidates`). Where the trees met more sizes than they record
 (:attr:`Plan.sizes_full`), most steps ran without a graph, and slower than that plan's: on an H100, a Llama whose
 every step had its own length ran 37.3 ms a step under ``reduce-overhead`` against 25.0 under the one line of
-``torch.compile``, and, handed over, 21.4 and 21.6 against 22.0 and 30.2 in two calls (``benchmarks/RESULTS.md``);
-on an H200, in one fit, 25 ms a step (median) under ``reduce-overhead`` before the handover and 17 after (DeBERTa: 45
-and 38). The fit hands over to it (:meth:`~lightning_fuse.fit.FitState.hand_over`)."""
+``torch.compile``, and, handed over, 21.4 and 21.6 against 22.0 and 30.2 in two calls (``benchmarks/RESULTS.md``).
+The fit hands over to it (:meth:`~lightning_fuse.fit.FitState.hand_over`)."""
 
 
 @dataclass
@@ -157,10 +156,7 @@ class Plan:
         accumulation, before its first micro-batch only)."""
 
     def set_evaluating(self, evaluating: bool) -> None:
-        """Whether the calls from now are evaluation's (a validation loop's) rather than training's."""
-
-    def evaluation_step_begin(self) -> None:
-        """Called before every batch of a validation loop while this plan is installed."""
+        """Whether the calls from now are evaluation's (a validation batch's, before each) rather than training's."""
 
     def unfit(self, forward_backward: Callable[[], None]) -> str | None:
         """Why this plan cannot work here, found cheaply before it is compiled (``None``: try it).
@@ -253,7 +249,7 @@ class Regions(Plan):
         self.dominated_by = () if graph else ("regions+graph", "compile+graph", "reduce-overhead", "regions+graphs")
         self.records_graphs = graph or setting.options.mode in GRAPHING_MODES
         self.cudagraph_trees = setting.options.mode in GRAPHING_MODES and setting.device.type == "cuda"
-        self._tree_sizes = RepeatedSizes() if self.cudagraph_trees else None
+        self._tree_sizes = RepeatedSizes()  # the trees' sizes, capped while installed under the trees
         self._restore_tree_sizes: Callable[[], None] | None = None
         options = setting.options
         if (graph or self.per_region_graphs) and options.dynamic is None:  # a graph's shapes: no dim made dynamic
@@ -279,7 +275,7 @@ class Regions(Plan):
             runner.install()
         if self.watch is not None:
             self.watch.clear()  # the search's trial calls are not the fit's
-        if self._tree_sizes is not None and self._restore_tree_sizes is None:
+        if self.cudagraph_trees and self._restore_tree_sizes is None:
             self._restore_tree_sizes = compat.cap_cudagraph_sizes(self._tree_sizes)
         for graph in self.graphs():
             graph.install()
@@ -301,16 +297,10 @@ class Regions(Plan):
             torch.compiler.cudagraph_mark_step_begin()
         if self.watch is not None:
             self.watch.clear()
-        if self._tree_sizes is not None:
-            self._tree_sizes.next_step()
+        self._tree_sizes.next_step()
 
     def set_evaluating(self, evaluating: bool) -> None:
-        if self._tree_sizes is not None:  # evaluation's sizes are capped apart (RepeatedSizes)
-            self._tree_sizes.evaluating = evaluating
-
-    def evaluation_step_begin(self) -> None:
-        if self._tree_sizes is not None:
-            self._tree_sizes.next_step()
+        self._tree_sizes.set_evaluating(evaluating)  # evaluation's sizes are capped apart, each batch a step
 
     def watch_trees_failures(self) -> None:
         def note(reason: str) -> None:
@@ -333,7 +323,7 @@ class Regions(Plan):
 
     @property
     def sizes_full(self) -> bool:
-        return self._tree_sizes is not None and self._tree_sizes.full
+        return self.cudagraph_trees and self._tree_sizes.full
 
     @property
     def outputs_held(self) -> bool:

@@ -129,19 +129,19 @@ def test_evaluation_calls_have_a_cap_of_sizes_of_their_own_and_never_fill_the_tr
     model's ``generate`` meets a new cache length at every token): those sizes filled the cap, and the fit handed its
     training steps, of one size throughout, over to the compile without graphs."""
     sizes = RepeatedSizes(sizes=1)  # 2 keys
-    sizes.evaluating = True
+    sizes.set_evaluating(True)
     generated = []
     for _batch in range(2):
         generated.append([(length,) in sizes for length in (32, 33, 34)])
         sizes.next_step()
     assert generated == [[False] * 3, [True, True, False]], "met again in a later batch, up to evaluation's cap"
     assert not sizes.full
-    sizes.evaluating = False
+    sizes.set_evaluating(False)
     training = [(64,) in sizes]
     sizes.next_step()
     training += [(64,) in sizes]
     assert training == [False, True], "training's cap, untouched by evaluation's sizes"
-    sizes.evaluating = True
+    sizes.set_evaluating(True)
     assert (33,) in sizes, "evaluation's recorded sizes still replay"
 
 
@@ -149,10 +149,9 @@ def test_the_callback_tells_the_plan_that_a_validation_loop_calls_it_and_that_tr
     regions_win_on_a_fake_clock(monkeypatch)
     told = []
     monkeypatch.setattr(plan_module.Regions, "set_evaluating", lambda plan, evaluating: told.append(evaluating))
-    monkeypatch.setattr(plan_module.Regions, "evaluation_step_begin", lambda plan: told.append("batch"))
     fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)
     trainer([fuse], max_epochs=2, limit_val_batches=2).fit(ToyTask(samples=16 * 8))
-    loop = [True, "batch", "batch", False]  # each validation batch a step of its own for the trees' sizes
+    loop = [True, True, False]  # before each validation batch: a step of its own for the trees' sizes
     assert fuse.plan.name == "regions" and told == loop * 2, "the sanity check ran before the plan"
     setting = Setting([], graph_target(ToyTask()), CompileOptions(backend="eager"), CUDA)
     monkeypatch.undo()
@@ -160,7 +159,7 @@ def test_the_callback_tells_the_plan_that_a_validation_loop_calls_it_and_that_tr
     plan.set_evaluating(True)
     assert plan._tree_sizes.evaluating
     assert (8,) not in plan._tree_sizes
-    plan.evaluation_step_begin()
+    plan.set_evaluating(True)
     assert (8,) in plan._tree_sizes, "a size met again in the next evaluation batch records"
     plan.set_evaluating(False)
     assert (8,) not in plan._tree_sizes
