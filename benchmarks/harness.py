@@ -85,13 +85,14 @@ def machine() -> str | None:
         return None
 
 
-def apart(row: dict, other: dict) -> bool:
+def other_machines(row: dict, other: dict) -> bool:
     """Whether two rows ran on machines known to differ (:func:`machine`; rows from before it was recorded are not).
 
     Example::
 
-        >>> apart({"machine": "a1"}, {"machine": "b2"}), apart({"machine": "a1"}, {}), apart({}, {})
-        (True, False, False)
+        >>> rows = ({"machine": "a1"}, {"machine": "b2"}), ({"machine": "a1"}, {}), ({}, {})
+        >>> [other_machines(*pair) for pair in rows]
+        [True, False, False]
     """
     return None not in (row.get("machine"), other.get("machine")) and row["machine"] != other["machine"]
 

@@ -176,8 +176,9 @@ LOSS_RTOL = LOSS_ATOL = 5e-2
 hold bf16 fits to eager's (``tests/user_models.BF16``); the absolute part for fits that memorise to near 0."""
 LOSS_OFF = "†"
 """Marks a one-line fit whose final loss missed eager's of as many steps (:data:`LOSS_RTOL`)."""
-APART = "‡"
-"""Marks a one-line fit measured on another machine than fuse's (:func:`harness.apart`): not a pair, not counted."""
+OTHER_MACHINE = "§"
+"""Marks a one-line fit measured on another machine than fuse's (:func:`harness.other_machines`): not a pair, not
+counted (``zoo.py``'s ``*`` marks rows of two calls, still counted)."""
 MOST_RECOMPILES = 2
 """Varying lengths without buckets: at most this many recompiles of any one region (the issue's check)."""
 USER_COMPILED = ("precompiled",)
@@ -363,8 +364,9 @@ bucket in 0 of 0, wall <= eager's + compiling in 1 of 1; the logged interval hol
                 f"{passed['logged']}.")  # fmt: skip
     off = [case["line_off"] for case in judged if case["line_off"]]
     verdicts += f" {LOSS_OFF} The one line's final loss missed eager's: {', '.join(off)}." if off else ""
-    apart = [case["apart"] for case in judged if case["apart"]]
-    verdicts += f" {APART} Not counted, fuse and the one line ran on two machines: {', '.join(apart)}." if apart else ""
+    machines = [case["other_machine"] for case in judged if case["other_machine"]]
+    verdicts += (f" {OTHER_MACHINE} Not counted, fuse and the one line ran on two machines: {', '.join(machines)}."
+                 if machines else "")  # fmt: skip
     header = ("| model | pattern | batch | eager ms | fuse ms | plan | over eager | over the best one line | loss, "
               "fuse / eager | most recompiles | graphs | wall s, fuse / eager + compiling | logged speedup "
               "(interval) / separate fits' |")  # fmt: skip
@@ -386,7 +388,7 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     over = fuse["step_ms"] / eager["step_ms"] if eager else None
     over_line = fuse["step_ms"] / one_line["step_ms"] if one_line else None
     line_off = one_line is not None and not bucketed and _trains_like(one_line, eager) is False
-    apart = one_line is not None and harness.apart(fuse, one_line)
+    other_machine = one_line is not None and harness.other_machines(fuse, one_line)
     same_fit = eager if eager and eager.get("steps") == fuse.get("steps") else {}  # losses, wall: as many steps
     both_losses = None not in (fuse.get("final_loss"), same_fit.get("final_loss"))
     most = fuse.get("most_recompiles", fuse.get("recompiles"))
@@ -395,21 +397,22 @@ def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, d
     wall = (sides[0], sides[1] + sides[2]) if None not in sides else None
     logged, holds = _logged(fuse, None if pattern in USER_COMPILED else eager)
     found = {"faster": over <= 1.0 if over is not None else None,
-             "one_line": over_line <= OVER_ONE_LINE if over_line is not None and not apart else None,
+             "one_line": over_line <= OVER_ONE_LINE if over_line is not None and not other_machine else None,
              "loss": _trains_like(fuse, eager),
              "recompiles": most <= MOST_RECOMPILES if varying and not bucketed and most is not None else None,
              "graphs": fuse.get("graphs", 0) <= len(BUCKETS) if bucketed and fuse.get("graphs") is not None else None,
              "wall": wall[0] <= wall[1] if varying and wall else None, "logged": holds}  # fmt: skip
+    marks = (LOSS_OFF if line_off else "") + (OTHER_MACHINE if other_machine else "")
     cells = [model, pattern, batch, harness.figure(eager and eager["step_ms"]), harness.figure(fuse["step_ms"]),
              fuse.get("plan") or "-", harness.figure(over),
-             f"{over_line:.2f}{LOSS_OFF if line_off else ''}{APART if apart else ''} {one_line['variant']}"
-             if one_line else "-",
+             f"{over_line:.2f}{marks} {one_line['variant']}" if one_line else "-",
              f"{_loss(fuse)} / {_loss(same_fit)}" if both_losses else "-",
              f"{most}{star}" if varying and most is not None else "-",
              fuse.get("graphs") if bucketed and fuse.get("graphs") is not None else "-",
              f"{wall[0]:.0f} / {wall[1]:.0f}" if varying and wall else "-", logged]  # fmt: skip
     return {**found, "line_off": _missed(pattern, one_line, eager) if line_off else None,
-            "apart": f"{model} {pattern}" if apart else None, "line": "| " + " | ".join(map(str, cells)) + " |"}
+            "other_machine": f"{model} {pattern}" if other_machine else None,
+            "line": "| " + " | ".join(map(str, cells)) + " |"}  # fmt: skip
 
 
 def _loss(row: dict) -> str:

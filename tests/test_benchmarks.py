@@ -252,9 +252,9 @@ def test_pattern_checks_leave_out_a_one_line_fit_from_another_machine():
 
     records = [row("eager", 60.0, machine="b2"), row("fuse", 36.0, machine="b2"), row("compile", 71.0, machine="a1")]
     lines = patterns.checks(records).splitlines()
-    assert lines[2].startswith("| deberta | lora | 16 | 60.00 | 36.00 | - | 0.60 | 0.51‡ compile |")
+    assert lines[2].startswith("| deberta | lora | 16 | 60.00 | 36.00 | - | 0.60 | 0.51§ compile |")
     assert "<= 1.05x the best one line in 0 of 0" in lines[-1]
-    assert lines[-1].endswith("‡ Not counted, fuse and the one line ran on two machines: deberta lora.")
+    assert lines[-1].endswith("§ Not counted, fuse and the one line ran on two machines: deberta lora.")
     del records[2]["machine"]
     assert "<= 1.05x the best one line in 1 of 1" in patterns.checks(records).splitlines()[-1]
 

@@ -117,11 +117,14 @@ def test_torch_cuda_graphs_record_for_sizes_met_again_in_a_later_step_up_to_a_ca
 
 def test_sizes_that_come_again_within_the_cap_never_fill_it():
     sizes = RepeatedSizes(sizes=2)
+    epochs = []
     for _epoch in range(3):
+        epochs.append([])
         for length in (16, 32, 48):  # three lengths, forward and backward asking one key each
-            assert ((length,) in sizes) == ((length,) in sizes)
+            epochs[-1] += [(length,) in sizes, (length,) in sizes]
             sizes.next_step()
-    assert not sizes.full and all((length,) in sizes for length in (16, 32, 48))  # 3 of 4 keys: all replay
+    assert epochs == [[False] * 6, [True] * 6, [True] * 6], "recorded in the second epoch, replayed in the third"
+    assert not sizes.full  # 3 of 4 keys
 
 
 def test_evaluation_calls_have_a_cap_of_sizes_of_their_own_and_never_fill_the_training_calls_cap():
