@@ -241,22 +241,33 @@ def test_pattern_checks_hold_fuse_to_eager_and_the_one_line_and_buckets_to_the_u
     assert capsys.readouterr().out == text + "\n"
 
 
-def test_pattern_checks_leave_out_a_one_line_fit_from_another_machine():
-    """On two H200 machines minutes apart, DeBERTa's eager fit ran 92.7 and 61.3 ms a step: fuse against a one line
-    from another machine is no pair (rows from before ``machine`` was recorded still pair)."""
+def test_pattern_checks_leave_out_fits_from_another_machine():
+    """On two H200 machines minutes apart, DeBERTa's eager fit ran 92.7 and 61.3 ms a step: fuse against an eager
+    fit or a one line from another machine is no pair (rows from before ``machine`` was recorded still pair)."""
     import patterns
 
     def row(variant: str, step_ms: float, **fields: Any) -> dict:
-        return {"model": "deberta", "pattern": "lora", "batch_size": 16, "variant": variant, "steps": 100,
-                "step_ms": step_ms, "run_started": "2026-11-30", **fields}  # fmt: skip
+        return {"model": "deberta", "pattern": "varying_length", "batch_size": 16, "variant": variant, "steps": 100,
+                "step_ms": step_ms, "run_started": "2026-11-30", "final_loss": 0.69, "wall_s": 20.0, **fields}
 
-    records = [row("eager", 60.0, machine="b2"), row("fuse", 36.0, machine="b2"), row("compile", 71.0, machine="a1")]
+    fuse = row("fuse", 36.0, machine="b2", compile_s=90.0, speedup_logged=1.5, speedup_low=1.2, speedup_high=1.8)
+    records = [row("eager", 60.0, machine="b2"), fuse, row("compile", 71.0, machine="a1")]
     lines = patterns.checks(records).splitlines()
-    assert lines[2].startswith("| deberta | lora | 16 | 60.00 | 36.00 | - | 0.60 | 0.51§ compile |")
-    assert "<= 1.05x the best one line in 0 of 0" in lines[-1]
-    assert lines[-1].endswith("§ Not counted, fuse and the one line ran on two machines: deberta lora.")
-    del records[2]["machine"]
-    assert "<= 1.05x the best one line in 1 of 1" in patterns.checks(records).splitlines()[-1]
+    assert lines[2].startswith("| deberta | varying_length | 16 | 60.00 | 36.00 | - | 0.60 | 0.51§ compile |")
+    assert "fuse <= eager in 1 of 1; <= 1.05x the best one line in 0 of 0" in lines[-1]
+    assert lines[-1].endswith("§ Not counted, fuse's fit and these ran on another machine: deberta varying_length "
+                              "(the one line).")
+    records[0]["machine"] = "a1"
+    lines = patterns.checks(records).splitlines()
+    assert lines[2].endswith("| 0.60§ | 0.51§ compile | 0.69 / 0.69 | - | - | 20 / 110§ | 1.50 (1.20-1.80) / - |")
+    assert "fuse <= eager in 0 of 0; <= 1.05x the best one line in 0 of 0; final loss within bf16's tolerance of " \
+           "eager's in 1 of 1" in lines[-1]
+    assert "wall <= eager's + compiling in 0 of 0; the logged interval holds the separate fits' ratio in 0 of 0" \
+        in lines[-1]
+    assert lines[-1].endswith("deberta varying_length (eager and the one line).")
+    for record in records:
+        del record["machine"]
+    assert "fuse <= eager in 1 of 1; <= 1.05x the best one line in 1 of 1" in patterns.checks(records).splitlines()[-1]
 
 
 def test_regional_finds_the_repeated_blocks() -> None:
