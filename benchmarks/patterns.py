@@ -63,13 +63,17 @@ own (``compile+graph``), for Bloom it is torch's cudagraph trees."""
 PROMPT, NEW_TOKENS = 32, 64
 """The validation's prompts (each batch's first tokens) and the tokens generated from them (smoke: 8 and 8)."""
 ALL_VARIANTS = ("eager", "fuse", "reduce_overhead", "compile")
-DERIVED = {"fuse_unsampled": ("fuse", {"gpu_sample_hz": 0}), "fuse_warm": ("fuse", {})}
+DERIVED = {"fuse_unsampled": ("fuse", {"gpu_sample_hz": 0}), "fuse_warm": ("fuse", {}),
+           "fuse_trees": ("fuse", {"mode": "reduce-overhead", "targets": "model"})}
 """Variants of this benchmark's own, run only where asked by name (not in ``all``) and where the variant they run
 does: (that variant, its FuseCallback arguments), as ``multi_gpu.DERIVED``. ``fuse_unsampled``: fuse without its
 NVML sampler thread, to see with ``--profile-steps`` whether the sampler changes what a profile of fuse's steps
 reads. ``fuse_warm``: fuse on the compile cache and decision a cold fuse fit left (:func:`launch`), to see what a
 second run of the same training costs (its recompiles, compile time and wall); that cold fit is a whole ``fuse`` fit,
-recorded as ``fuse``, so that both come from one call at the cost of one (ask for ``fuse_warm`` without ``fuse``)."""
+recorded as ``fuse``, so that both come from one call at the cost of one (ask for ``fuse_warm`` without ``fuse``).
+``fuse_trees``: fuse forced to the search's ``reduce-overhead`` plan (the whole network under torch's cudagraph trees),
+which no search precedes and which never hands over, to see what its steps cost once the trees met more sizes than
+they record, beside ``fuse``'s after its handover to ``compile``."""
 ONE_LINES = ("reduce_overhead", "compile")
 """The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 
