@@ -307,8 +307,8 @@ class FuseCallback(Callback):
             return
         speedup, successor = trainer.strategy.broadcast((self.fit.speedup_over_window(window),
                                                          self.fit.graphless_successor()))  # fmt: skip
-        if successor is not None:  # the window measured the plan handed over from
-            self.fit.hand_over(successor, store=trainer.is_global_zero)
+        if successor is not None:  # the window measured the plan under its graphs
+            self.fit.stop_trees()
             return
         where = f"over its last {self.fit.pace.window} steps in epoch {trainer.current_epoch}"
         eager_ms = self.fit.eager_step_ms()

@@ -94,6 +94,8 @@ class RepeatedSizes:
         self.sizes = sizes
         self.full = False
         """Whether the training calls met more keys than record graphs."""
+        self.stopped = False
+        """Whether no call records or replays a graph any more (:meth:`stop`)."""
         self.evaluating = False
         """Whether the calls from now are evaluation's rather than training's (:meth:`set_evaluating`)."""
         self._steps = {False: 0, True: 0}  # evaluating -> steps begun
@@ -111,7 +113,13 @@ class RepeatedSizes:
         so far count as met again when they come."""
         self._steps[self.evaluating] += 1
 
+    def stop(self) -> None:
+        """From now on no call records a graph or replays one: every call runs inductor's code without a graph."""
+        self.stopped = True
+
     def __contains__(self, key: Any) -> bool:
+        if self.stopped:
+            return False
         met, recorded = self._met[self.evaluating], self._recorded[self.evaluating]
         if key is None or key in recorded:
             return True

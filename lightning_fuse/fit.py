@@ -53,8 +53,8 @@ class Handover:
 
 
 SIZES_FULL = Handover(
-    "met more input sizes than one fit records graphs for, and sizes without a graph run slower than compiled code "
-    "alone", "its graphs reached their cap of sizes",
+    "met more input sizes than one fit records graphs for, and steps under them then run slower than without them",
+    "its graphs reached their cap of sizes",
     "Pad the lengths to a few sizes with `pad_buckets` to keep every step in a graph.")
 OUTPUTS_HELD = Handover(
     "free a step's outputs when the next step begins, and this fit keeps its steps' outputs (for an epoch-end "
@@ -387,6 +387,14 @@ class FitState:
         (:data:`~lightning_fuse.plan.WITHOUT_GRAPHS`); ``None`` where the plan runs no trees or none was made."""
         names = WITHOUT_GRAPHS.get(self.plan_name(), ())
         return next((name for name in names if self.candidate(name) is not None), None)
+
+    def stop_trees(self, why: Handover = SIZES_FULL) -> None:
+        """From the next step the plan's calls run its compiled code without torch's cudagraph trees (no graph
+        recorded or replayed, nothing compiled again); one line says ``why``."""
+        rank_zero_info(f"FuseCallback: torch's CUDA graphs under {self.plan_name()!r} {why.what}: from step "
+                       f"{self.steps} its calls run the same compiled code without graphs. {why.advice}".rstrip())
+        self.plan.stop_trees()
+        self.plan.reason = f"{self.plan.reason}; its graphs stopped at step {self.steps}: {why.reason}"
 
     def hand_over(self, successor: str, why: Handover = SIZES_FULL, store: bool = True) -> None:
         """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_candidate`), its

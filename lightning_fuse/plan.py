@@ -170,6 +170,10 @@ class Plan:
     def release(self) -> None:
         """Free what the plan holds but will not run again (a losing candidate's CUDA graphs and their memory)."""
 
+    def stop_trees(self) -> None:
+        """From now on its calls run inductor's code without torch's cudagraph trees: none records or replays a
+        graph (a plan that runs no trees runs as before)."""
+
     def modules(self) -> list[nn.Module]:
         """The modules carrying something of this plan (bypassed by the eager reference steps)."""
         return []
@@ -313,6 +317,9 @@ class Regions(Plan):
         for graph in self.graphs():
             graph.release()
 
+    def stop_trees(self) -> None:
+        self._tree_sizes.stop()
+
     def modules(self) -> list[nn.Module]:
         modules = [runner.region.module for runner in self._runners]
         return modules + [self.graph.module] if self.graph is not None else modules
@@ -323,7 +330,7 @@ class Regions(Plan):
 
     @property
     def sizes_full(self) -> bool:
-        return self.cudagraph_trees and self._tree_sizes.full
+        return self.cudagraph_trees and self._tree_sizes.full and not self._tree_sizes.stopped
 
     @property
     def outputs_held(self) -> bool:
