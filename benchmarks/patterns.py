@@ -72,8 +72,8 @@ reads. ``fuse_warm``: fuse on the compile cache and decision a cold fuse fit lef
 second run of the same training costs (its recompiles, compile time and wall); that cold fit is a whole ``fuse`` fit,
 recorded as ``fuse``, so that both come from one call at the cost of one (ask for ``fuse_warm`` without ``fuse``).
 ``fuse_trees``: fuse forced to the search's ``reduce-overhead`` plan (the whole network under torch's cudagraph trees),
-which no search precedes and which never hands over, to see what its steps cost once the trees met more sizes than
-they record, beside ``fuse``'s after its handover to ``compile``."""
+which no search precedes and whose trees, a forced mode's, are never stopped: what its steps cost once the trees met
+more sizes than they record, beside ``fuse``'s, whose plan then runs without them."""
 ONE_LINES = ("reduce_overhead", "compile")
 """The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 

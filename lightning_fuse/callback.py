@@ -300,15 +300,15 @@ class FuseCallback(Callback):
 
     def _judge_window(self, trainer: pl.Trainer, window: Window | None) -> None:
         """The running guard: at each window's end (``window``, its plan steps), with ``mode="auto"``, a plan under
-        torch's CUDA graphs that met more sizes than they record hands over to the same compile without graphs
-        (:meth:`~lightning_fuse.fit.FitState.hand_over`), and a plan whose mean step was slower than eager's is
+        torch's CUDA graphs that met more sizes than they record runs its compiled code without them from then on
+        (:meth:`~lightning_fuse.fit.FitState.stop_trees`), and a plan whose mean step was slower than eager's is
         dropped mid-epoch; rank zero's word decides (one collective per window, on the same step on every rank)."""
         if window is None or not self._plan_is_judged():
             return
-        speedup, successor = trainer.strategy.broadcast((self.fit.speedup_over_window(window),
-                                                         self.fit.graphless_successor()))  # fmt: skip
-        if successor is not None:  # the window measured the plan under its graphs
-            self.fit.stop_trees()
+        speedup, sizes_full = trainer.strategy.broadcast((self.fit.speedup_over_window(window),
+                                                          self.fit.plan.sizes_full))  # fmt: skip
+        if sizes_full:  # the window measured the plan under its graphs
+            self.fit.stop_trees(store=trainer.is_global_zero)
             return
         where = f"over its last {self.fit.pace.window} steps in epoch {trainer.current_epoch}"
         eager_ms = self.fit.eager_step_ms()

@@ -84,6 +84,9 @@ def activate_plan(fit: FitState, training: Training, pl_module: pl.LightningModu
         fit.decision = cached or _search(fit, training, pl_module)
         plan = fit.candidate(fit.decision.winner)
         plan.reason = "from the cached decision" if fit.decision.cached else "chosen by measurement"
+        if fit.decision.graphs_stopped:
+            plan.stop_trees()
+            plan.reason += f", without CUDA graphs (an earlier fit stopped them {fit.decision.graphs_stopped})"
         announce(fit.decision, training.loggers if training.is_global_zero else [])
         if fit.decision_file is not None and training.is_global_zero:
             fit.decision_file.store(fit.decision)

@@ -74,7 +74,12 @@ class RepeatedSizes:
     installed.
 
     Once the training calls have met more keys than record (:attr:`full`), most of their sizes will run without a
-    graph; the fit then hands over to the same compile without the trees (:data:`~lightning_fuse.fit.SIZES_FULL`).
+    graph, and steps under the trees then ran slower than without them; the fit then stops them (:meth:`stop`,
+    :data:`~lightning_fuse.fit.SIZES_FULL`): every call runs the same compiled code without a graph, as fast as the
+    compile without the trees and with nothing compiled again. On an H200, a Llama whose every batch had its own
+    length ran 44.5 ms a step under trees kept past their cap, 22.5 handed over to ``compile`` (compiled then), and
+    22.2 with its trees stopped (23.1 handed over in the same call, whose fit compiled 97 s against 47); a DeBERTa ran
+    46.3 stopped against 63.9 handed over (``benchmarks/RESULTS.md``).
     Evaluation calls (:attr:`evaluating`: a validation loop's, each batch a step) have ``sizes`` of their own and
     never make it full: on an H200, Bloom generating 80 tokens in its validation (before ``generate`` ran eagerly,
     :class:`~lightning_fuse.kv_cache.EagerGeneration`) filled the training calls' cap, so that the fit handed its
@@ -88,6 +93,9 @@ class RepeatedSizes:
         >>> sizes.next_step()
         >>> [key in sizes for key in (64, 64, None)]
         [True, True, True]
+        >>> sizes.stop()
+        >>> [key in sizes for key in (64, None)]  # no graph recorded nor replayed: the compiled code runs alone
+        [False, False]
     """
 
     def __init__(self, sizes: int = TREE_SIZES) -> None:
@@ -161,10 +169,8 @@ class CompileOptions:
     options: dict[str, Any] | None = None
 
     def kwargs(self, **overrides: Any) -> dict[str, Any]:
-        kwargs = {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic}
-        kwargs.update(self._mode_or_options())
-        kwargs.update(overrides)
-        return kwargs
+        return {"backend": self.backend, "fullgraph": self.fullgraph, "dynamic": self.dynamic,
+                **self._mode_or_options(), **overrides}  # fmt: skip
 
     def _mode_or_options(self) -> dict[str, Any]:
         if not self.options:
@@ -219,10 +225,7 @@ class CompiledRegion:
     """
 
     def __init__(self, region: Region, options: CompileOptions, tracker: CompileTracker, policy: RegionPolicy):
-        self.region = region
-        self.options = options
-        self.tracker = tracker
-        self.policy = policy
+        self.region, self.options, self.tracker, self.policy = region, options, tracker, policy
         self.fallback_reason: str | None = None
         self.closed_reason: str | None = None
         """Why the region compiles nothing new: past ``recompile_limit`` its compiled code still runs the kinds of
@@ -231,8 +234,7 @@ class CompiledRegion:
         self._settings = repr(options.kwargs())  # another plan's settings compile anew: a compile, not a recompile
         self._verified: set[ModeKey] = set()
         self._capture_undone = replay.capture_failure_undone if options.mode in GRAPHING_MODES else nullcontext
-        self._warned_recompile = False
-        self._made_dynamic = False
+        self._warned_recompile = self._made_dynamic = False
         self._recompiles_allowed = policy.recompile_limit
         self._installed = False
         self.on_return: Callable[[Any], Any] | None = None

@@ -85,6 +85,9 @@ class Decision:
     """Where the machine's speed moved beyond the search's limit: the timed candidates timed again between two
     timings of the baseline (not one far slower than both), named ``<candidate> beside <baseline>``, which the
     decision stands on."""
+    graphs_stopped: str | None = None
+    """Where a fit stopped the winner's torch CUDA graphs (:meth:`stopped_graphs`), when and why: a run from this
+    decision runs the winner without them from its first step (``None``: it runs as the search chose it)."""
 
     def lines(self) -> list[str]:
         """One line per candidate, e.g. ``regions+graph   3.21 ms, slowest 3.40     12.5 s  chosen`` (its median
@@ -134,18 +137,40 @@ class Decision:
             trials.append(Trial(successor, outcome=chosen))
         return Decision(successor, trials, baseline_again=self.baseline_again, side_by_side=self.side_by_side)
 
+    def stopped_graphs(self, step: int, reason: str) -> Decision:
+        """The decision a later run should start from, where this fit stopped its winner's torch CUDA graphs at
+        ``step`` for ``reason`` (:meth:`~lightning_fuse.fit.FitState.stop_trees`): the same winner and trials, the
+        winner run without graphs. A new decision, not a cached one, so that :meth:`DecisionFile.store` writes it.
+
+        Example::
+
+            >>> trials = [Trial("eager", 30.0, "slower than reduce-overhead"), Trial("reduce-overhead", 9.0, "chosen")]
+            >>> stopped = Decision("reduce-overhead", trials, cached=True).stopped_graphs(93, "its graphs reached "
+            ...                                                                          "their cap of sizes")
+            >>> stopped.winner, stopped.cached, stopped.graphs_stopped
+            ('reduce-overhead', False, 'at step 93: its graphs reached their cap of sizes')
+            >>> stopped.trials[1].outcome
+            'chosen; no CUDA graphs from step 93: its graphs reached their cap of sizes'
+        """
+        why = f"at step {step}: {reason}"
+        trials = [replace(t, outcome=f"chosen; no CUDA graphs from step {step}: {reason}") if t.name == self.winner
+                  else t for t in self.trials]  # fmt: skip
+        return replace(self, trials=trials, cached=False, graphs_stopped=why)
+
     def to_json(self) -> str:
         again = asdict(self.baseline_again) if self.baseline_again else None
         return json.dumps({"winner": self.winner, "trials": [asdict(t) for t in self.trials], "baseline_again": again,
-                           "side_by_side": [asdict(t) for t in self.side_by_side]})  # fmt: skip
+                           "side_by_side": [asdict(t) for t in self.side_by_side],
+                           "graphs_stopped": self.graphs_stopped})  # fmt: skip
 
     @classmethod
     def from_json(cls, text: str) -> Decision:
         data = json.loads(text)
-        again = data.get("baseline_again")  # absent from the files of earlier versions, as is side_by_side
+        again = data.get("baseline_again")  # absent from the files of earlier versions, as are the fields after it
         return cls(data["winner"], [Trial(**t) for t in data["trials"]], cached=True,
                    baseline_again=Trial(**again) if again else None,
-                   side_by_side=[Trial(**t) for t in data.get("side_by_side", [])])  # fmt: skip
+                   side_by_side=[Trial(**t) for t in data.get("side_by_side", [])],
+                   graphs_stopped=data.get("graphs_stopped"))  # fmt: skip
 
 
 def decision_key(recorded: Any, varying_dims: Collection[int], world_size: int, max_graphs: int = 1) -> str:

@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Handover:
-    """Why a plan under torch's cudagraph trees hands over to the same compile without them
-    (:meth:`FitState.hand_over`): what the trees met, the plan's reason in the verdict, what the user can do."""
+    """Why a plan under torch's cudagraph trees leaves them: it hands over to the same compile without them
+    (:meth:`FitState.hand_over`) or, past their cap of sizes, stops them (:meth:`FitState.stop_trees`). What the trees
+    met, the plan's reason in the verdict, what the user can do."""
 
     what: str
     reason: str
@@ -53,7 +54,7 @@ class Handover:
 
 
 SIZES_FULL = Handover(
-    "met more input sizes than one fit records graphs for, and steps under them then run slower than without them",
+    "met more input sizes than one fit records graphs for, and steps under them then ran slower than without them",
     "its graphs reached their cap of sizes",
     "Pad the lengths to a few sizes with `pad_buckets` to keep every step in a graph.")
 OUTPUTS_HELD = Handover(
@@ -334,10 +335,9 @@ class FitState:
 
     def warn_if_resumed_under_another_plan(self, resumed: str | None) -> None:
         if resumed is not None and resumed != self.plan.describe():
-            rank_zero_warn(
-                f"FuseCallback: the checkpoint's epochs were measured under plan {resumed!r}, this run uses "
-                f"{self.plan.describe()!r}; fuse/* from before and after the resume compare different setups."
-            )
+            rank_zero_warn(f"FuseCallback: the checkpoint's epochs were measured under plan {resumed!r}, this run "
+                           f"uses {self.plan.describe()!r}; fuse/* from before and after the resume compare different "
+                           "setups.")  # fmt: skip
 
     # ------------------------------------------------------------------ dropping the plan, undoing the fit
     def drop_plan(self, reason: str, epoch: int | None = None) -> None:
@@ -345,10 +345,8 @@ class FitState:
         one warning (on a line of its own) saying why; ``epoch``: the (Lightning) epoch it was dropped in, for the
         verdict."""
         rest = next((plan for plan in self.candidates if not plan.owned), Plan())  # the user's compile, if any
-        _warn_on_a_line_of_its_own(
-            f"FuseCallback: plan {self.plan_name()!r} dropped, the rest of the fit "
-            f"{'trains eagerly' if rest.owned else 'runs the model as the user compiled it'}: {reason}."
-        )
+        how = "the rest of the fit " + ("trains eagerly" if rest.owned else "runs the model as the user compiled it")
+        _warn_on_a_line_of_its_own(f"FuseCallback: plan {self.plan_name()!r} dropped, {how}: {reason}.")
         self.uninstall_plan()
         self.plan, self.dropped, self.dropped_in_epoch = rest, f"{reason} (step {self.steps})", epoch
         if self.decision_file is not None:  # the next run measures again rather than start with a dropped plan
@@ -377,26 +375,26 @@ class FitState:
         """The fit's candidate plan of this name (``None``: none was made)."""
         return next((plan for plan in self.candidates if plan.name == name), None)
 
-    def graphless_successor(self) -> str | None:
-        """Where torch's cudagraph trees under the plan met more sizes than they record, the candidate that compiles
-        the same without CUDA graphs (:meth:`graphless_candidate`), else ``None``."""
-        return self.graphless_candidate() if self.plan is not None and self.plan.sizes_full else None
-
     def graphless_candidate(self) -> str | None:
         """The fit's candidate that compiles what the plan does without torch's cudagraph trees
         (:data:`~lightning_fuse.plan.WITHOUT_GRAPHS`); ``None`` where the plan runs no trees or none was made."""
         names = WITHOUT_GRAPHS.get(self.plan_name(), ())
         return next((name for name in names if self.candidate(name) is not None), None)
 
-    def stop_trees(self, why: Handover = SIZES_FULL) -> None:
-        """From the next step the plan's calls run its compiled code without torch's cudagraph trees (no graph
-        recorded or replayed, nothing compiled again); one line says ``why``."""
-        rank_zero_info(f"FuseCallback: torch's CUDA graphs under {self.plan_name()!r} {why.what}: from step "
-                       f"{self.steps} its calls run the same compiled code without graphs. {why.advice}".rstrip())
+    def stop_trees(self, why: Handover = SIZES_FULL, store: bool = True) -> None:
+        """From the next step the plan's calls run its compiled code without torch's cudagraph trees: no graph is
+        recorded or replayed, and nothing is compiled again (:meth:`~lightning_fuse.plan.Plan.stop_trees`); one line
+        says ``why``. With ``store`` (rank zero's), the cached decision says so
+        (:meth:`~lightning_fuse.decision.Decision.stopped_graphs`): the next run on the same inputs runs the plan
+        without graphs from its first step, rather than record graphs again until their cap."""
+        say = f"from step {self.steps} the plan runs its compiled code without graphs (nothing compiled again)"
+        rank_zero_info(f"FuseCallback: torch's CUDA graphs under {self.plan_name()!r} {why.what}: {say}. {why.advice}")
         self.plan.stop_trees()
-        self.plan.reason = f"{self.plan.reason}; its graphs stopped at step {self.steps}: {why.reason}"
+        self.plan.reason = f"{self.plan.reason}; no CUDA graphs from step {self.steps}: {why.reason}"
+        if store and self.decision is not None and self.decision_file is not None:
+            self.decision_file.store(self.decision.stopped_graphs(self.steps, why.reason))
 
-    def hand_over(self, successor: str, why: Handover = SIZES_FULL, store: bool = True) -> None:
+    def hand_over(self, successor: str, why: Handover, store: bool = True) -> None:
         """From the next step the fit runs the candidate named ``successor`` (:meth:`graphless_candidate`), its
         optimizers' graphs kept; one line says ``why``. With ``store`` (rank zero's), the cached decision names
         ``successor`` from now on (:meth:`~lightning_fuse.decision.Decision.handed_over`): the next run on the same

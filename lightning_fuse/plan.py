@@ -54,11 +54,9 @@ if TYPE_CHECKING:
 WITHOUT_GRAPHS = {"reduce-overhead": ("compile", "regions"), "regions+trees": ("regions",)}
 """The plan under torch's cudagraph trees -> the candidates that compile the same without CUDA graphs, the first
 among the fit's candidates taken (where the regions are the whole network, ``regions`` is its compile and no
-``compile`` candidate is made: :func:`candidates`). Where the trees met more sizes than they record
-(:attr:`Plan.sizes_full`), most steps ran without a graph, and slower than that plan's: on an H100, a Llama whose
-every step had its own length ran 37.3 ms a step under ``reduce-overhead`` against 25.0 under the one line of
-``torch.compile``, and, handed over, 21.4 and 21.6 against 22.0 and 30.2 in two calls (``benchmarks/RESULTS.md``).
-The fit hands over to it (:meth:`~lightning_fuse.fit.FitState.hand_over`)."""
+``compile`` candidate is made: :func:`candidates`). Where the trees free outputs the fit still holds, or fail, the
+fit hands over to it (:meth:`~lightning_fuse.fit.FitState.hand_over`, compiled then); where they met more sizes than
+they record, the plan stops them instead (:meth:`Plan.stop_trees`, nothing compiled again)."""
 
 
 @dataclass
@@ -334,7 +332,7 @@ class Regions(Plan):
 
     @property
     def outputs_held(self) -> bool:
-        return self.watch is not None and self.watch.held()
+        return self.watch is not None and not self._tree_sizes.stopped and self.watch.held()
 
     @property
     def compiled_regions(self) -> list[str]:

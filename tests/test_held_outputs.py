@@ -91,6 +91,22 @@ def test_outputs_that_nothing_keeps_past_their_step_keep_the_plan(monkeypatch):
     assert fuse.plan.reason is None or "handed over" not in fuse.plan.reason
 
 
+def test_outputs_kept_under_a_plan_whose_trees_stopped_keep_the_plan(monkeypatch):
+    """A plan whose trees stopped (past their cap of sizes) runs its compiled code alone, whose outputs no next step
+    frees: outputs kept past their step hand nothing over."""
+    plain_install = plan_module.Whole.install
+
+    def install_stopped(self) -> None:
+        plain_install(self)
+        self.stop_trees()
+
+    monkeypatch.setattr(plan_module.Whole, "install", install_stopped)
+    task = KeptLogits(keep_from=12, samples=16 * 20)
+    fuse, probe = fit(monkeypatch, task)
+    assert set(probe.plans[fuse.fit.activation_step:]) == {"compile"} and fuse.fit.dropped is None
+    assert len(task.metric) == 2
+
+
 def test_with_no_candidate_without_the_trees_the_plan_is_dropped_and_says_what_keeps_it(monkeypatch):
     task = KeptLogits(keep_from=12, samples=16 * 20)
     fuse, probe = fit(monkeypatch, task, successors=())

@@ -486,36 +486,60 @@ def test_rank_zeros_word_decides_once_per_window(monkeypatch):
     assert fuse.fit.dropped is None and set(probe.plans[activation:]) == {"regions"}  # ... rank zero's word kept it
 
 
-def test_a_plan_whose_torch_graphs_met_more_sizes_than_they_record_hands_over_to_the_same_compile_without_graphs(
-        monkeypatch, caplog):  # fmt: skip
-    """Faked on CPU: ``regions`` stands in for ``reduce-overhead``, ``compile`` for the same compile without graphs,
-    and the trees' sizes fill at step 10. At the guard's window end the fit hands over, once, and keeps the plan."""
-    regions_win_on_a_fake_clock(monkeypatch)
-    monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "regions", ("compile+graph", "compile"))  # the first not made
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)  # no epoch-end verdict on CPU's clock
-    full = property(lambda plan: plan.name == "regions" and fuse.fit.steps >= 10)
+def sizes_fill_at_step_10(monkeypatch, fits: list[FuseCallback]) -> None:
+    """Faked on CPU: the trees under ``regions`` (standing in for ``reduce-overhead``) meet more sizes than they
+    record from the newest fit of ``fits``' step 10 on, until the plan stops them."""
+    full = property(lambda plan: plan.name == "regions" and fits[-1].fit.steps >= 10 and not plan._tree_sizes.stopped)
     monkeypatch.setattr(plan_module.Regions, "sizes_full", full)
+
+
+def test_a_plan_whose_torch_graphs_met_more_sizes_than_they_record_stops_them_and_keeps_its_compiled_code(
+        monkeypatch, caplog):  # fmt: skip
+    """At the guard's window end after the sizes filled, the plan stops its trees, once: the same plan runs on,
+    nothing compiled again, and the verdict says from which step it ran without graphs."""
+    regions_win_on_a_fake_clock(monkeypatch)
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, eager_steps=0)  # no epoch-end verdict on CPU's clock
+    sizes_fill_at_step_10(monkeypatch, [fuse])
     probe = PlanPerStep(fuse)
     with caplog.at_level(logging.INFO):
         trainer([fuse, probe], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 80))
     activation, window = fuse.fit.activation_step, running_guard.GUARD_WINDOW
-    handed = probe.plans.index("compile")
-    assert handed == activation + window - 1, "at the first window's end, not before"
-    assert set(probe.plans[activation:handed]) == {"regions"} and set(probe.plans[handed:]) == {"compile"}
+    assert set(probe.plans[activation:]) == {"regions"} and fuse.plan._tree_sizes.stopped
     assert fuse.fit.dropped is None and fuse.decision.winner == "regions"
-    assert fuse.plan.reason == f"handed over from 'regions' at step {handed + 1}: its graphs reached their cap of sizes"
+    assert fuse.plan.reason == (f"chosen by measurement; no CUDA graphs from step {activation + window}: its graphs "
+                                "reached their cap of sizes"), "at the first window's end, not before"
+    assert fuse.fit.tracker.total_compiles == 1, "the regions compiled once, in the search"
     assert caplog.text.count("met more input sizes than one fit records") == 1
-    assert "the fit runs 'compile', the same compile without graphs" in caplog.text
+    assert "the plan runs its compiled code without graphs (nothing compiled again)" in caplog.text
+
+
+def test_graphs_stopped_are_stored_in_the_cached_decision_so_the_next_run_runs_without_them(monkeypatch, tmp_path):
+    """Faked on CPU as above, with a compile cache: the first fit stops the trees under ``regions`` and stores that;
+    the second, on the same cache and inputs, runs ``regions`` without them from its plan's first step."""
+    regions_win_on_a_fake_clock(monkeypatch)
+    fits = [FuseCallback(backend="aot_eager", cache_dir=tmp_path, eager_steps=0)]
+    sizes_fill_at_step_10(monkeypatch, fits)
+    trainer(fits, max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 40))
+    assert fits[0].plan._tree_sizes.stopped and fits[0].decision.graphs_stopped is None, "stored, not in this fit's"
+    fits.append(FuseCallback(backend="aot_eager", cache_dir=tmp_path, eager_steps=0))
+    trainer(fits[1:], max_steps=8, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 8))
+    second = fits[1]
+    assert second.decision.cached and second.decision.winner == "regions" and second.plan._tree_sizes.stopped
+    assert second.decision.graphs_stopped.startswith("at step ")
+    assert second.plan.reason.startswith("from the cached decision, without CUDA graphs (an earlier fit stopped them "
+                                         "at step ")
+    assert {t.name: t.outcome for t in second.decision.trials}["regions"].startswith("chosen; no CUDA graphs from")
 
 
 def test_a_handover_is_stored_in_the_cached_decision_so_the_next_run_starts_with_the_successor(monkeypatch, tmp_path):
-    """Faked on CPU as above, with a compile cache: the first fit hands over from ``regions`` to ``compile`` and
-    stores that; the second, on the same cache and inputs, runs ``compile`` from its plan's first step."""
+    """Faked on CPU: the trees under ``regions`` (for ``reduce-overhead``) free outputs the fit holds from step 10,
+    so the first fit hands over to ``compile`` and stores that; the second, on the same cache and inputs, runs
+    ``compile`` from its plan's first step."""
     regions_win_on_a_fake_clock(monkeypatch)
     monkeypatch.setitem(plan_module.WITHOUT_GRAPHS, "regions", ("compile",))
     first = FuseCallback(backend="aot_eager", cache_dir=tmp_path, eager_steps=0)
-    full = property(lambda plan: plan.name == "regions" and first.fit.steps >= 10)
-    monkeypatch.setattr(plan_module.Regions, "sizes_full", full)
+    held = property(lambda plan: plan.name == "regions" and first.fit.steps >= 10)
+    monkeypatch.setattr(plan_module.Regions, "outputs_held", held)
     trainer([first], max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0).fit(ToyTask(samples=16 * 40))
     assert first.plan.name == "compile" and first.decision.winner == "regions", "the search chose, the fit handed over"
     second = FuseCallback(backend="aot_eager", cache_dir=tmp_path, eager_steps=0)
@@ -527,21 +551,16 @@ def test_a_handover_is_stored_in_the_cached_decision_so_the_next_run_starts_with
     assert outcomes["regions"].startswith("handed over at step") and outcomes["compile"].startswith(
         "chosen: handed over from 'regions' at step")
 
-def test_the_handover_goes_to_the_first_graphless_candidate_the_fit_made_and_only_once_the_sizes_are_full():
+
+def test_a_handover_goes_to_the_first_graphless_candidate_the_fit_made():
     class Named(Plan):
-        def __init__(self, name: str, full: bool = False) -> None:
-            self.name, self.full = name, full
+        def __init__(self, name: str) -> None:
+            self.name = name
 
-        @property
-        def sizes_full(self) -> bool:
-            return self.full
-
-    trees = Named("reduce-overhead", full=False)
+    trees = Named("reduce-overhead")
     fit = FitState(candidates=[Plan(), trees, Named("regions")], plan=trees)  # regions = the whole network: no compile
-    assert fit.graphless_successor() is None, "the trees still record"
-    trees.full = True
-    assert fit.graphless_successor() == "regions"
+    assert fit.graphless_candidate() == "regions"
     fit.candidates.append(Named("compile"))
-    assert fit.graphless_successor() == "compile"
+    assert fit.graphless_candidate() == "compile"
     fit.plan = fit.candidates[-1]
-    assert fit.graphless_successor() is None, "a plan without torch's graphs has nothing to hand over to"
+    assert fit.graphless_candidate() is None, "a plan without torch's graphs has nothing to hand over to"
