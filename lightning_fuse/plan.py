@@ -317,6 +317,8 @@ class Regions(Plan):
 
     def stop_trees(self) -> None:
         self._tree_sizes.stop()
+        for runner in self._runners:
+            runner.on_return = None  # its compiled code's outputs are the caller's: nothing left to watch
 
     def modules(self) -> list[nn.Module]:
         modules = [runner.region.module for runner in self._runners]
@@ -523,9 +525,7 @@ class UserCompiledGraph(Graph):
 
     def __init__(self, setting: Setting, user: UserCompiled) -> None:
         super().__init__(setting)
-        self.name = "user-compiled+graph"
-        self.dominated_by = ()
-        self._user = user
+        self.name, self.dominated_by, self._user = "user-compiled+graph", (), user
 
     def modules(self) -> list[nn.Module]:
         return list(dict.fromkeys([*self._user.modules(), *super().modules()]))

@@ -93,7 +93,7 @@ def test_outputs_that_nothing_keeps_past_their_step_keep_the_plan(monkeypatch):
 
 def test_outputs_kept_under_a_plan_whose_trees_stopped_keep_the_plan(monkeypatch):
     """A plan whose trees stopped (past their cap of sizes) runs its compiled code alone, whose outputs no next step
-    frees: outputs kept past their step hand nothing over."""
+    frees: outputs kept past their step hand nothing over, and its calls' outputs are no longer watched."""
     plain_install = plan_module.Whole.install
 
     def install_stopped(self) -> None:
@@ -105,6 +105,7 @@ def test_outputs_kept_under_a_plan_whose_trees_stopped_keep_the_plan(monkeypatch
     fuse, probe = fit(monkeypatch, task)
     assert set(probe.plans[fuse.fit.activation_step:]) == {"compile"} and fuse.fit.dropped is None
     assert len(task.metric) == 2
+    assert all(runner.on_return is None for runner in fuse.fit.plan.runners), "outputs handed back unwrapped"
 
 
 def test_with_no_candidate_without_the_trees_the_plan_is_dropped_and_says_what_keeps_it(monkeypatch):
