@@ -314,7 +314,8 @@ class StepClock(pl.Callback):
     or captures its graph, stands out. The host's side of each step is kept too, to tell a slower host from slower
     work: the main thread's CPU time per step (``epoch_cpu_ms``, ``cpu_ms``: what the step asked of the host), and
     how often the kernel took the CPU from that thread (``switches_per_step``, involuntary context switches;
-    ``None`` off Linux).
+    ``None`` off Linux). On CUDA, each timed step's new device memory (``device_allocs``: the caching allocator's
+    ``cudaMalloc`` calls, milliseconds of host time each) tells a step that met sizes the allocator had not cached.
     """
 
     def __init__(self, warmup: int, started: float) -> None:
@@ -325,6 +326,7 @@ class StepClock(pl.Callback):
         self.batch_starts_s: list[float] = []
         self.times: dict[str, list[float]] = {}
         self.cpu_marks: list[tuple[str, float]] = []  # (the step's kind, the main thread's CPU time at its start)
+        self.alloc_marks: list[tuple[str, int]] = []  # (the step's kind, the device allocations before it; CUDA)
         self.losses: deque[torch.Tensor] = deque(maxlen=LOSS_WINDOW)
         self.timer: StepTimer | None = None
         self.switches_at_start: int | None = None  # involuntary context switches before the first timed step
@@ -346,6 +348,8 @@ class StepClock(pl.Callback):
         kind = str(trainer.current_epoch) if self.batches >= self.warmup else SKIPPED
         self.timer.stop(kind)
         self.cpu_marks.append((kind, time.thread_time()))
+        if pl_module.device.type == "cuda":
+            self.alloc_marks.append((kind, device_allocs(pl_module.device)))
         if self.batches == self.warmup:
             self.switches_at_start = involuntary_switches()
         self.batches += 1
@@ -376,16 +380,34 @@ class StepClock(pl.Callback):
                 "final_loss": statistics.mean(losses) if losses else None,
                 "epoch_ms": {int(epoch): ms for epoch, ms in self.times.items()}, "epoch_cpu_ms": cpu,
                 "cpu_ms": statistics.median(cpu_steps) if cpu_steps else None,
-                "switches_per_step": None if not cpu_steps or self.switches is None else self.switches / len(cpu_steps)}
+                "switches_per_step": None if not cpu_steps or self.switches is None else self.switches / len(cpu_steps),
+                "device_allocs": [count for _, count in _timed_deltas(self.alloc_marks)] or None}
 
     def cpu_per_epoch(self) -> dict[int, list[float]]:
         """The main thread's CPU milliseconds of each timed step, by epoch; like the step times, a step runs from
         its batch's start to the next one's, so the last step (no next start) is left out."""
         cpu: dict[int, list[float]] = {}
-        for (kind, begin), (_, end) in zip(self.cpu_marks, self.cpu_marks[1:]):
-            if kind != SKIPPED:
-                cpu.setdefault(int(kind), []).append((end - begin) * 1e3)
+        for kind, seconds in _timed_deltas(self.cpu_marks):
+            cpu.setdefault(int(kind), []).append(seconds * 1e3)
         return cpu
+
+
+def _timed_deltas(marks: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Each timed step's kind and the change, from its start to the next step's, in a value marked at every batch's
+    start (the last step, with no next start, is left out).
+
+    Example::
+
+        >>> _timed_deltas([(SKIPPED, 5), ("0", 7), ("0", 10), ("1", 18)])
+        [('0', 3), ('0', 8)]
+    """
+    return [(kind, end - begin) for (kind, begin), (_, end) in zip(marks, marks[1:]) if kind != SKIPPED]
+
+
+def device_allocs(device: torch.device) -> int:
+    """The caching allocator's ``cudaMalloc`` calls so far on CUDA ``device``, read from its statistics as it gives
+    them (every step reads it: :func:`torch.cuda.memory_stats` would flatten them all in Python first)."""
+    return torch.cuda.memory_stats_as_nested_dict(device).get("num_device_alloc", 0)
 
 
 def involuntary_switches() -> int:

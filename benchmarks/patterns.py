@@ -7,9 +7,10 @@ gradient accumulation), ``steps`` the batches run, ``wall_s`` the fit from start
 epoch (:func:`models.logged_speedup`), to hold against the separate fits' ratio, ``trained_share`` the share of the
 trainable parameters the fit changed (:func:`trained_share`), ``cpu_ms`` the main thread's median CPU time a step,
 ``step_times`` each timed batch and ``reference_steps`` fuse's eager reference steps among them (:func:`step_times`),
-and with ``--profile-steps`` the GPU kernels, the GPU's busy share and the host's waits for the device a batch, from
-a profile of the batches before the timed ones (:class:`models.ProfiledSteps`); the variant ``fuse_unsampled``
-(asked by name) is fuse without its GPU sampler thread, to see whether the sampler changes what such a profile reads.
+``device_allocs`` each timed batch's ``cudaMalloc`` calls (CUDA; :class:`harness.StepClock`), and with
+``--profile-steps`` the GPU kernels, the GPU's busy share and the host's waits for the device a batch, from a profile
+of the batches before the timed ones (:class:`models.ProfiledSteps`); the variant ``fuse_unsampled`` (asked by name)
+is fuse without its GPU sampler thread, to see whether the sampler changes what such a profile reads.
 Models: ``llama`` (transformers), ``resnet50`` (torchvision) where the pattern applies, ``vit`` and ``deberta``
 (fuse's plan for them is torch's cudagraph trees) for ``accumulate_clip``, ``bert`` and ``deberta`` (classifiers,
 each batch padded to its longest text) for the varying lengths, and the recipe ``gpt`` with mixture-of-experts MLPs
@@ -50,7 +51,8 @@ from torch.utils.data import DataLoader
 FIELDS = ("model", "pattern", "batch_size", "variant", "step_ms", "steps", "wall_s", "final_loss", "recompiles",
           "most_recompiles", "compile_s", "plan", "graphs", "ran", "search", "speedup_logged", "speedup_low",
           "speedup_high", "eager_step_ms_in_run", "trained_share", "cpu_ms", "step_times", "reference_steps",
-          "kernels_per_step", "gpu_busy_frac", "syncs_per_step", "gpu_ms_per_step", "error")  # fmt: skip
+          "device_allocs", "kernels_per_step", "gpu_busy_frac", "syncs_per_step", "gpu_ms_per_step",
+          "error")  # fmt: skip
 HF, VISION = ("llama",), ("resnet50",)
 ENCODERS = ("bert", "deberta")
 """Classifiers whose users pad each batch to its longest text (HF's ``DataCollatorWithPadding``); DeBERTa's forward

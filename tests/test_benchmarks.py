@@ -632,6 +632,7 @@ def test_step_clock_keeps_the_host_side_of_each_step() -> None:
         torch.set_num_threads(threads)
     burns, sleeps = results["burns"], results["sleeps"]
     assert len(burns["epoch_cpu_ms"][0]) == burns["timed_steps"] == 4, "timed steps less the last, as epoch_ms"
+    assert burns["device_allocs"] is None, "device memory is counted on CUDA only"
     assert burns["cpu_ms"] - sleeps["cpu_ms"] > half_ms, (burns["cpu_ms"], sleeps["cpu_ms"])
     assert sleeps["step_ms"] - sleeps["cpu_ms"] > half_ms, (sleeps["step_ms"], sleeps["cpu_ms"])
     assert burns["spin_ms"] > 0
