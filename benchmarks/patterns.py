@@ -339,7 +339,8 @@ def checks(records: list[dict]) -> str:
     it): on the GPU the one line of ``torch.compile`` left the second optimizer's half untrained under
     ``toggle_optimizer``. The logged speedup of :data:`USER_COMPILED` patterns is shown, not held to their separate
     fits (their eager fit is the user's compile). A check whose sides were not both measured is left out; the fits
-    that crashed are named.
+    that crashed are named. Where several machines each ran fuse and a one line of a case, the spread of their ratios
+    follows (:func:`machine_spread`).
 
     Example::
 
@@ -375,11 +376,49 @@ bucket in 0 of 0, wall <= eager's + compiling in 1 of 1; the logged interval hol
     machines = [case["other_machine"] for case in judged if case["other_machine"]]
     verdicts += (f" {OTHER_MACHINE} Not counted, fuse's fit and these ran on another machine: {', '.join(machines)}."
                  if machines else "")  # fmt: skip
+    verdicts += machine_spread(records)
     header = ("| model | pattern | batch | eager ms | fuse ms | plan | over eager | over the best one line | loss, "
               "fuse / eager | most recompiles | graphs | wall s, fuse / eager + compiling | logged speedup "
               "(interval) / separate fits' |")  # fmt: skip
     return harness.checks_report(header, "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|---|", judged,
                                  crashes, verdicts)  # fmt: skip
+
+
+def machine_spread(records: list[dict]) -> str:
+    """fuse's step over the faster one line's on each machine that ran both in a case (each variant's newest row
+    there; fuse's at the commit of the case's newest fuse row), for the cases more than one machine paired: the
+    spread behind the checks' one pair (these machines drift 5-20% between runs). Empty where no case has two.
+
+    Example::
+
+        >>> rows = [{"model": "m", "pattern": "p", "batch_size": 8, "variant": variant, "step_ms": ms,
+        ...          "machine": machine, "commit": "c1", "run_started": "2026-11-30"}
+        ...         for machine, variant, ms in (("a", "fuse", 9.0), ("a", "compile", 10.0), ("b", "fuse", 12.0),
+        ...                                      ("b", "compile", 10.0), ("c", "compile", 5.0))]
+        >>> rows.append({**rows[-1], "variant": "fuse", "step_ms": 1.0, "commit": "c0", "run_started": "2026-11-29"})
+        >>> machine_spread(rows)  # c's fuse ran an older library: c pairs nothing
+        " Across machines, fuse over the faster one line (each machine's own pair): m p 8 at 0.90-1.20 (2 machines)."
+    """
+    fields = ("model", "pattern", "batch_size")
+    newest = harness.newest_rows(records)
+    fuse_commit = {_case(row): row.get("commit") for row in newest if row.get("variant") == "fuse"}
+    kept = [row for row in records if row.get("machine")
+            and (row.get("variant") != "fuse" or row.get("commit") == fuse_commit.get(_case(row)))]  # fmt: skip
+    ratios: dict[tuple, list[float]] = {}
+    for machine in sorted({row["machine"] for row in kept}):
+        on_it = harness.newest_rows([row for row in kept if row["machine"] == machine])
+        for case, variants in harness.measured_cases(on_it, fields)[0].items():
+            lines = [variants[variant]["step_ms"] for variant in ONE_LINES if variant in variants]
+            if "fuse" in variants and lines:
+                ratios.setdefault(case, []).append(variants["fuse"]["step_ms"] / min(lines))
+    spread = [f"{' '.join(map(str, case))} at {min(r):.2f}-{max(r):.2f} ({len(r)} machines)"
+              for case, r in sorted(ratios.items(), key=str) if len(r) > 1]  # fmt: skip
+    said = "Across machines, fuse over the faster one line (each machine's own pair):"
+    return f" {said} {'; '.join(spread)}." if spread else ""
+
+
+def _case(row: dict) -> tuple:
+    return row.get("model"), row.get("pattern"), row.get("batch_size")
 
 
 def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, dict[str, dict]]) -> dict | None:
