@@ -315,7 +315,8 @@ class StepClock(pl.Callback):
     work: the main thread's CPU time per step (``epoch_cpu_ms``, ``cpu_ms``: what the step asked of the host), and
     how often the kernel took the CPU from that thread (``switches_per_step``, involuntary context switches;
     ``None`` off Linux). On CUDA, each timed step's new device memory (``device_allocs``: the caching allocator's
-    ``cudaMalloc`` calls, milliseconds of host time each) tells a step that met sizes the allocator had not cached.
+    ``cudaMalloc`` calls, driver calls a step whose memory is cached never makes) tells a step that met sizes the
+    allocator had not cached.
     """
 
     def __init__(self, warmup: int, started: float) -> None:
