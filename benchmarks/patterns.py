@@ -77,6 +77,8 @@ recorded as ``fuse``, so that both come from one call at the cost of one (ask fo
 which no search precedes and whose trees, a forced mode's, are never stopped: what its steps cost once the trees met
 more sizes than they record, beside ``fuse``'s, whose plan then runs without them."""
 ONE_LINES = ("reduce_overhead", "compile")
+CASE = ("model", "pattern", "batch_size")
+"""The fields that name a case of the checks."""
 """The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 
 
@@ -359,7 +361,7 @@ within bf16's tolerance of eager's in 1 of 1; varying lengths: <= 2 recompiles o
 bucket in 0 of 0, wall <= eager's + compiling in 1 of 1; the logged interval holds the separate fits' ratio in \
 1 of 1.
     """
-    cases, crashes = harness.measured_cases(harness.newest_rows(records), ("model", "pattern", "batch_size"))
+    cases, crashes = harness.measured_cases(harness.newest_rows(records), CASE)
     judged = [_pattern_checks(case, variants, cases) for case, variants in sorted(cases.items(), key=str)]
     judged = [case for case in judged if case is not None]
     passed = {name: harness.passing(flags) for name, flags in
@@ -399,7 +401,6 @@ def machine_spread(records: list[dict]) -> str:
         >>> machine_spread(rows)  # c's fuse ran an older library: c pairs nothing
         " Across machines, fuse over the faster one line (each machine's own pair): m p 8 at 0.90-1.20 (2 machines)."
     """
-    fields = ("model", "pattern", "batch_size")
     newest = harness.newest_rows(records)
     fuse_commit = {_case(row): row.get("commit") for row in newest if row.get("variant") == "fuse"}
     kept = [row for row in records if row.get("machine")
@@ -407,7 +408,7 @@ def machine_spread(records: list[dict]) -> str:
     ratios: dict[tuple, list[float]] = {}
     for machine in sorted({row["machine"] for row in kept}):
         on_it = harness.newest_rows([row for row in kept if row["machine"] == machine])
-        for case, variants in harness.measured_cases(on_it, fields)[0].items():
+        for case, variants in harness.measured_cases(on_it, CASE)[0].items():
             lines = [variants[variant]["step_ms"] for variant in ONE_LINES if variant in variants]
             if "fuse" in variants and lines:
                 ratios.setdefault(case, []).append(variants["fuse"]["step_ms"] / min(lines))
@@ -418,7 +419,7 @@ def machine_spread(records: list[dict]) -> str:
 
 
 def _case(row: dict) -> tuple:
-    return row.get("model"), row.get("pattern"), row.get("batch_size")
+    return tuple(row.get(field) for field in CASE)
 
 
 def _pattern_checks(case: tuple, variants: dict[str, dict], cases: dict[tuple, dict[str, dict]]) -> dict | None:
