@@ -147,10 +147,8 @@ class NoCudnnAttention:
     cuDNN plans only the lengths its own calls meet, and the plan's steps leave it out, so nearly every reference
     step with cuDNN met a length it had not planned and paid the build, which a plain eager fit pays once a length
     (on an H100, Llama at 8 with 16 lengths that come again: 189 ms a reference step against the plain eager fit's
-    65). Once the lengths come again, leaving it out cost nothing in eager code: on an H200, a Llama's eager steps over
-    144 lengths it had met before ran 54.5 ms with cuDNN attention and 48.0 without (``benchmarks/RESULTS.md``). The
-    logged speedup is then against eager without cuDNN attention. The eager steps of a fit whose plan was dropped run
-    the user's setting. An ``sdpa_kernel`` context in the model's code still decides inside it.
+    65). The logged speedup is then against eager without cuDNN attention. The eager steps of a fit whose plan was
+    dropped run the user's setting. An ``sdpa_kernel`` context in the model's code still decides inside it.
 
     Example::
 
