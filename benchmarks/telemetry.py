@@ -342,33 +342,39 @@ def coverage(records: list[dict]) -> str:
     """The issue's checks, case by case and in all, as Markdown: each case's newest record (model, batch, epoch
     steps, optimizer) that has a logged interval and an independent ratio. A case is ``in`` where the independent
     ratio lies inside the logged interval, ``ovl`` where only their intervals overlap; the half-width is relative
-    to the logged point; ``in-run`` is ``eager_ratio_in_run``, ``cost`` the ``reference_cost_in_run``; ``epochs``
-    the fit's ``epochs`` (records before the field ran the default, 2).
+    to the logged point; ``in-run`` is ``eager_ratio_in_run``, ``eager, eager`` the ``eager_ratio``'s floor on the
+    same machine (``eager_fits_ratio``: two plain eager fits of one process, which no reference can match more closely
+    than they match each other), ``cost`` the ``reference_cost_in_run``; ``epochs`` the fit's ``epochs`` (records
+    before the field ran the default, 2).
 
     Example::
 
         >>> rows = [{"model": "m", "batch_size": 8, "epoch_steps": 200, "logged": 5.0, "logged_low": 4.8,
         ...          "logged_high": 5.2, "independent": 5.1, "independent_low": 5.0, "independent_high": 5.2,
-        ...          "eager_ratio_in_run": 1.02, "reference_cost_in_run": 0.012}]
+        ...          "eager_ratio_in_run": 1.02, "eager_fits_ratio": 1.05, "reference_cost_in_run": 0.012}]
         >>> print(coverage(rows).splitlines()[2])
-        | m | 8 | 200 | fused | 2 | 5.00 (4.80-5.20) | 5.10 (5.00-5.20) | in | 4% | 1.02 | 1.2% |
+        | m | 8 | 200 | fused | 2 | 5.00 (4.80-5.20) | 5.10 (5.00-5.20) | in | 4% | 1.02 | 1.05 | 1.2% |
         >>> print(coverage(rows).splitlines()[-1])
-        Inside 1 of 1 (100%); overlapping 1 (100%); in-run within 3% 1 of 1; half-width <= 5% on 200- and 1000-step \
-epochs 1 of 1; reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
+        Inside 1 of 1 (100%); overlapping 1 (100%); in-run within 3% 1 of 1 (two plain eager fits of one process \
+within 3% of each other in 0 of the 1 that record it); half-width <= 5% on 200- and 1000-step epochs 1 of 1; \
+reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
     """
     judged = [(case, record, *_judge(record)) for case, record in sorted(_newest(records).items())]
     verdicts = [verdict for _, _, verdict, _ in judged]
     widths = [width for case, _, _, width in judged if case[2] >= 200]
     costs = [r["reference_cost_in_run"] for case, r, _, _ in judged
              if case[2] >= 1000 and r.get("reference_cost_in_run") is not None]  # records before the field have none
-    in_run = sum(abs((r.get("eager_ratio_in_run") or 0) - 1) <= 0.03 for _, r, _, _ in judged)
+    in_run = sum(_within_3_percent(r.get("eager_ratio_in_run")) for _, r, _, _ in judged)
+    floors = [r["eager_fits_ratio"] for _, r, _, _ in judged if r.get("eager_fits_ratio") is not None]
     inside, overlap, cases = verdicts.count("in"), len(verdicts) - verdicts.count("out"), len(verdicts)
     return "\n".join([
         ("| model | batch | epoch | optimizer | epochs | logged (interval) | measured apart | | half-width | in-run "
-         "| cost |"), "|---|---:|---:|---|---:|---|---|---|---:|---:|---:|",
+         "| eager, eager | cost |"), "|---|---:|---:|---|---:|---|---|---|---:|---:|---:|---:|",
         *(_coverage_row(*row) for row in judged), "",
         (f"Inside {inside} of {cases} ({inside / max(cases, 1):.0%}); overlapping {overlap} "
-         f"({overlap / max(cases, 1):.0%}); in-run within 3% {in_run} of {cases}; half-width <= 5% on 200- and "
+         f"({overlap / max(cases, 1):.0%}); in-run within 3% {in_run} of {cases} (two plain eager fits of one process "
+         f"within 3% of each other in {sum(map(_within_3_percent, floors))} of the {len(floors)} that record it); "
+         f"half-width <= 5% on 200- and "
          f"1000-step epochs {sum(w <= 0.05 for w in widths)} of {len(widths)}; reference cost <= 2% on 1000-step "
          f"epochs {sum(c <= 0.02 for c in costs)} of the {len(costs)} that record it."),
     ])  # fmt: skip
@@ -427,12 +433,18 @@ def _judge(record: dict) -> tuple[str, float]:
     return verdict, (high - low) / 2 / record["logged"]
 
 
+def _within_3_percent(ratio: float | None) -> bool:
+    """Whether a ratio of step times reads 1 within the issue's 3% (``None``, unmeasured: no)."""
+    return ratio is not None and abs(ratio - 1) <= 0.03
+
+
 def _coverage_row(case: tuple, r: dict, verdict: str, width: float) -> str:
-    truth, ratio, cost = r["independent"], r.get("eager_ratio_in_run"), r.get("reference_cost_in_run")
+    truth, cost = r["independent"], r.get("reference_cost_in_run")
+    ratios = (r.get("eager_ratio_in_run"), r.get("eager_fits_ratio"))
     return (f"| {' | '.join(map(str, case))} | {r.get('epochs') or 2} | "
             f"{r['logged']:.2f} ({r['logged_low']:.2f}-{r['logged_high']:.2f}) | "
             f"{truth:.2f} ({r.get('independent_low') or truth:.2f}-{r.get('independent_high') or truth:.2f}) | "
-            f"{verdict} | {width:.0%} | {'-' if ratio is None else f'{ratio:.2f}'} | "
+            f"{verdict} | {width:.0%} | {' | '.join('-' if x is None else f'{x:.2f}' for x in ratios)} | "
             f"{'-' if cost is None else f'{cost:.1%}'} |")
 
 
