@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_fuse import FuseCallback
 from lightning_fuse.profiling import ProfileWindow
-from lightning_fuse.timing import EAGER
+from lightning_fuse.timing import EAGER, LEAD_IN
 from recipes.models import GPT, resnet18_cifar
 from recipes.tasks import warmup_cosine
 
@@ -456,25 +456,26 @@ def apply_variant(task: Task, variant: str, smoke: bool, cache_dir: str | None =
 
 
 class ReferenceSteps(pl.Callback):
-    """Which batches of a fit were the FuseCallback's timed eager reference steps once its plan ran (listed after
-    the FuseCallback, it reads the kind that callback gave the step), to read their times and host side from the
-    :class:`harness.StepClock`.
+    """Which batches of a fit were the FuseCallback's timed eager reference steps once its plan ran, and which were
+    their chunks' untimed lead-ins (listed after the FuseCallback, it reads the kind that callback gave the step), to
+    read their times and host side from the :class:`harness.StepClock`.
 
     Example::
 
         >>> fuse = FuseCallback()
         >>> marks = ReferenceSteps(fuse)  # Trainer(callbacks=[clock, fuse, marks]); after the fit:
-        >>> marks.reference  # the batch indexes of the timed eager reference steps
-        set()
+        >>> marks.reference, marks.lead_ins  # the batch indexes of the timed eager reference steps, of the lead-ins
+        (set(), set())
     """
 
     def __init__(self, fuse: FuseCallback) -> None:
-        self.fuse, self.reference = fuse, set()
+        self.fuse, self.reference, self.lead_ins = fuse, set(), set()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: object, idx: int) -> None:
         fit = self.fuse.fit
-        if fit.plan is not None and fit.step_kind == EAGER:
-            self.reference.add(fit.steps)  # the fit's batch index, as the StepClock counts its batches
+        if fit.plan is not None and fit.step_kind in (EAGER, LEAD_IN):
+            kind = self.reference if fit.step_kind == EAGER else self.lead_ins
+            kind.add(fit.steps)  # the fit's batch index, as the StepClock counts its batches
 
 
 class ProfiledSteps(pl.Callback):

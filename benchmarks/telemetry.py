@@ -44,8 +44,11 @@ eager-only fits' last epoch with the median step of its :data:`SPIN_EVERY` batch
 the ``eager_steps=0`` fit, and ``reference_by_spin``/``dense_by_spin`` each reference chunk's lead-in spin with
 the median of the chunk's timed steps (``[spin ms, step ms]`` pairs): whether a chunk ran slower than plain eager
 at the same speed of the host. ``allocs_per_step`` (CUDA) is the mean ``cudaMalloc`` calls a step of the reference
-steps, the dense fit's, the eager-only fits' and the plan's (:func:`allocs_per_step`): whether the reference meets
-memory the allocator had not cached, which plain eager steps would not. On the GPU:
+steps, their lead-ins, the dense fit's reference steps, the eager-only fits' and the plan's (:func:`allocs_per_step`):
+whether the reference meets memory the allocator had not cached, which plain eager steps would not;
+``reference_allocs`` and ``lead_in_allocs`` are the ``FuseCallback()`` fit's own, step by step in batch order
+(``reference_allocs`` beside ``reference_ms``), to tell whether the lead-in took the switch's allocations or the
+timed steps after it still met new sizes. On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
@@ -76,7 +79,8 @@ FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_l
           "reference_ms", "reference_sizes", "dense_ms", "dense_sizes", "plan_step_ms", "spin_ms_by_fit",
           "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
           "eager_by_spin", "plan_by_spin", "reference_by_spin", "dense_by_spin", "switches_by_fit", "reference_age",
-          "allocs_per_step", "epochs", "logged_by_epoch", "independent_by_epoch", "error")  # fmt: skip
+          "allocs_per_step", "reference_allocs", "lead_in_allocs", "epochs", "logged_by_epoch", "independent_by_epoch",
+          "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 SPIN_EVERY = 100
@@ -239,29 +243,41 @@ def reference_cpu_ms(fit: dict, steps: int) -> tuple[list[float], list[int]]:
 
 def allocs_per_step(fits: dict[str, dict], steps: int, epochs: int) -> dict[str, float | None] | None:
     """The mean ``cudaMalloc`` calls a step (the fits' ``device_allocs``, :class:`harness.StepClock`; ``None`` off
-    CUDA) of the ``FuseCallback()`` fit's reference steps and the dense fit's (every epoch), and of the eager-only
-    fits' and the ``eager_steps=0`` fit's steps (the last epoch).
+    CUDA) of the ``FuseCallback()`` fit's reference steps, of their chunks' lead-ins and of the dense fit's reference
+    steps (every epoch), and of the eager-only fits' and the ``eager_steps=0`` fit's steps (the last epoch).
 
     Example::
 
-        >>> fits = {name: {"device_allocs": [4, 0, 0, 1, 0], "reference_steps": {0, 3}}
+        >>> fits = {name: {"device_allocs": [4, 0, 0, 1, 0], "reference_steps": {0, 3}, "lead_in_steps": {2}}
         ...         for name in ("fuse", "fuse_dense", "eager_1", "eager_2", "fuse_0")}
         >>> allocs_per_step(fits, steps=3, epochs=2)
-        {'reference': 2.5, 'dense_reference': 2.5, 'eager': 0.5, 'plan': 0.5}
+        {'reference': 2.5, 'lead_in': 0, 'dense_reference': 2.5, 'eager': 0.5, 'plan': 0.5}
     """
     if fits["fuse"].get("device_allocs") is None:
         return None
 
-    def reference(name: str) -> list[int]:
-        allocs = fits[name]["device_allocs"]
-        return [allocs[batch] for batch in sorted(fits[name]["reference_steps"]) if batch < len(allocs)]
-
     def last_epoch(*names: str) -> list[int]:
         return [count for name in names for count in fits[name]["device_allocs"][(epochs - 1) * steps:]]
 
-    sides = {"reference": reference("fuse"), "dense_reference": reference("fuse_dense"),
+    sides = {"reference": allocs_at(fits["fuse"], "reference_steps"), "lead_in": allocs_at(fits["fuse"]),
+             "dense_reference": allocs_at(fits["fuse_dense"], "reference_steps"),
              "eager": last_epoch("eager_1", "eager_2"), "plan": last_epoch("fuse_0")}  # fmt: skip
     return {side: statistics.mean(counts) if counts else None for side, counts in sides.items()}
+
+
+def allocs_at(fit: dict, steps: str = "lead_in_steps") -> list[int] | None:
+    """A fit's ``cudaMalloc`` calls at its batches named by ``steps`` (``"lead_in_steps"``, ``"reference_steps"``), in
+    batch order; ``None`` off CUDA.
+
+    Example::
+
+        >>> allocs_at({"device_allocs": [4, 0, 0, 1, 0], "reference_steps": {3, 0}}, "reference_steps")
+        [4, 1]
+    """
+    allocs = fit.get("device_allocs")
+    if allocs is None:
+        return None
+    return [allocs[batch] for batch in sorted(fit.get(steps, ())) if batch < len(allocs)]
 
 
 def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float | None:
@@ -288,7 +304,8 @@ def measure(spec: dict) -> dict:
         fits[name] = {**harness.fit(task, loader, steps=epochs * steps, warmup=0, callbacks=callbacks + marks + host,
                                     max_epochs=epochs), **models.fuse_info(callbacks),
                       "reference": pooled_reference(callbacks), "spins": host[0].readings if host else [],
-                      "reference_steps": marks[0].reference if marks else set()}  # fmt: skip
+                      "reference_steps": marks[0].reference if marks else set(),
+                      "lead_in_steps": marks[0].lead_ins if marks else set()}  # fmt: skip
     last = {name: steps_of(fits, name, epochs - 1) for name in fits}
     cpu = {name: fit["epoch_cpu_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager_cpu = cpu["eager_1"] + cpu["eager_2"]
@@ -329,6 +346,7 @@ def measure(spec: dict) -> dict:
         "dense_by_spin": chunks_by_spin(fits["fuse_dense"]["spins"], fits["fuse_dense"], steps),
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"), "allocs_per_step": allocs_per_step(fits, steps, epochs),
+        "reference_allocs": allocs_at(fits["fuse"], "reference_steps"), "lead_in_allocs": allocs_at(fits["fuse"]),
         "epochs": epochs,
         "logged_by_epoch": [[row.get(f"fuse/{key}") for key in ("speedup", "speedup_low", "speedup_high",
                                                                  "reference_age")] for row in fits["fuse"]["history"]],

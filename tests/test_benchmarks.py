@@ -32,6 +32,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import harness  # noqa: E402
 import models  # noqa: E402
 
+from lightning_fuse.timing import COMPILED, EAGER, LEAD_IN  # noqa: E402
+
 ENV = ["device", "machine", "torch", "run_started", "command", "commit"]
 CLI = {
     "zoo": ["--models", "gpt", "--batches", "small", "--variants", "eager"],
@@ -425,6 +427,15 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
         assert record["eager_cpu_ratio_dense"] is not None
     fit = {"reference_steps": {1, 2, 5}, "epoch_cpu_ms": {0: [5.0, 6.0, 7.0], 1: [8.0, 9.0, 10.0]}}  # 2 epochs of 3
     assert telemetry.reference_cpu_ms(fit, steps=3) == ([6.0, 7.0, 10.0], [2, 1]), "two chunks: batches 1-2, then 5"
+    assert record["reference_allocs"] is None and record["lead_in_allocs"] is None, "CUDA's counts: none on a CPU"
+    fuse_fit = SimpleNamespace(plan=object(), steps=0, step_kind=None)
+    marks = models.ReferenceSteps(SimpleNamespace(fit=fuse_fit))
+    for step, kind in enumerate((COMPILED, LEAD_IN, EAGER, EAGER, COMPILED)):
+        fuse_fit.steps, fuse_fit.step_kind = step, kind
+        marks.on_train_batch_start(None, None, None, step)
+    assert (marks.lead_ins, marks.reference) == ({1}, {2, 3}), "the chunk's lead-in apart from its timed steps"
+    fit = {"device_allocs": [0, 5, 2, 0, 0], "reference_steps": marks.reference, "lead_in_steps": marks.lead_ins}
+    assert (telemetry.allocs_at(fit, "reference_steps"), telemetry.allocs_at(fit)) == ([2, 0], [5])
     assert len(record["spin_ms_by_fit"]) == 6 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "five and after"
     assert len(record["switches_by_fit"]) == 5
     assert record["spin_ms_eager"] > 0, "each eager-only fit's middle batch reads the host"
