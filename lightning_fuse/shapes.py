@@ -304,7 +304,8 @@ class CompileTracker:
                     _extend_capped(stats.recompile_reasons, _recompile_reasons(new_metrics), self._MAX_REASONS)
 
     def stats(self, name: str) -> RegionCompiles:
-        return self.regions.setdefault(name, RegionCompiles())
+        stats = self.regions.get(name)  # every region call asks: a new RegionCompiles only for a new name
+        return stats if stats is not None else self.regions.setdefault(name, RegionCompiles())
 
     @property
     def total_recompiles(self) -> int:
