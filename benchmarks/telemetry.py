@@ -360,9 +360,9 @@ def coverage(records: list[dict]) -> str:
     """The issue's checks, case by case and in all, as Markdown: each case's newest record (model, batch, epoch
     steps, optimizer) that has a logged interval and an independent ratio. A case is ``in`` where the independent
     ratio lies inside the logged interval, ``ovl`` where only their intervals overlap; the half-width is relative
-    to the logged point; ``in-run`` is ``eager_ratio_in_run``, ``eager, eager`` the ``eager_ratio``'s floor on the
-    same machine (``eager_fits_ratio``: two plain eager fits of one process, which no reference can match more closely
-    than they match each other), ``cost`` the ``reference_cost_in_run``; ``epochs`` the fit's ``epochs`` (records
+    to the logged point; ``in-run`` is ``eager_ratio_in_run``, ``eager, eager`` the ``eager_fits_ratio`` (two plain
+    eager fits of one process: how closely plain eager matches itself there, which bounds how closely a reference
+    can be shown to match it), ``cost`` the ``reference_cost_in_run``; ``epochs`` the fit's ``epochs`` (records
     before the field ran the default, 2).
 
     Example::
