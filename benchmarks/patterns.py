@@ -77,9 +77,9 @@ recorded as ``fuse``, so that both come from one call at the cost of one (ask fo
 which no search precedes and whose trees, a forced mode's, are never stopped: what its steps cost once the trees met
 more sizes than they record, beside ``fuse``'s, whose plan then runs without them."""
 ONE_LINES = ("reduce_overhead", "compile")
+"""The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 CASE = ("model", "pattern", "batch_size")
 """The fields that name a case of the checks."""
-"""The one-line alternatives fuse is held to: ``torch.compile(model)`` with ``mode="reduce-overhead"``, and without."""
 
 
 class TwoOptimizers(models.Task):
