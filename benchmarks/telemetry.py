@@ -259,13 +259,14 @@ def allocs_per_step(fits: dict[str, dict], steps: int, epochs: int) -> dict[str,
     def last_epoch(*names: str) -> list[int]:
         return [count for name in names for count in fits[name]["device_allocs"][(epochs - 1) * steps:]]
 
-    sides = {"reference": allocs_at(fits["fuse"], "reference_steps"), "lead_in": allocs_at(fits["fuse"]),
+    sides = {"reference": allocs_at(fits["fuse"], "reference_steps"),
+             "lead_in": allocs_at(fits["fuse"], "lead_in_steps"),
              "dense_reference": allocs_at(fits["fuse_dense"], "reference_steps"),
              "eager": last_epoch("eager_1", "eager_2"), "plan": last_epoch("fuse_0")}  # fmt: skip
     return {side: statistics.mean(counts) if counts else None for side, counts in sides.items()}
 
 
-def allocs_at(fit: dict, steps: str = "lead_in_steps") -> list[int] | None:
+def allocs_at(fit: dict, steps: str) -> list[int] | None:
     """A fit's ``cudaMalloc`` calls at its batches named by ``steps`` (``"lead_in_steps"``, ``"reference_steps"``), in
     batch order; ``None`` off CUDA.
 
@@ -346,7 +347,8 @@ def measure(spec: dict) -> dict:
         "dense_by_spin": chunks_by_spin(fits["fuse_dense"]["spins"], fits["fuse_dense"], steps),
         "switches_by_fit": [fit["switches_per_step"] for fit in fits.values()],
         "reference_age": history.get("fuse/reference_age"), "allocs_per_step": allocs_per_step(fits, steps, epochs),
-        "reference_allocs": allocs_at(fits["fuse"], "reference_steps"), "lead_in_allocs": allocs_at(fits["fuse"]),
+        "reference_allocs": allocs_at(fits["fuse"], "reference_steps"),
+        "lead_in_allocs": allocs_at(fits["fuse"], "lead_in_steps"),
         "epochs": epochs,
         "logged_by_epoch": [[row.get(f"fuse/{key}") for key in ("speedup", "speedup_low", "speedup_high",
                                                                  "reference_age")] for row in fits["fuse"]["history"]],

@@ -435,7 +435,7 @@ def test_telemetry_five_fits(tmp_path: Path, in_process) -> None:
         marks.on_train_batch_start(None, None, None, step)
     assert (marks.lead_ins, marks.reference) == ({1}, {2, 3}), "the chunk's lead-in apart from its timed steps"
     fit = {"device_allocs": [0, 5, 2, 0, 0], "reference_steps": marks.reference, "lead_in_steps": marks.lead_ins}
-    assert (telemetry.allocs_at(fit, "reference_steps"), telemetry.allocs_at(fit)) == ([2, 0], [5])
+    assert (telemetry.allocs_at(fit, "reference_steps"), telemetry.allocs_at(fit, "lead_in_steps")) == ([2, 0], [5])
     assert len(record["spin_ms_by_fit"]) == 6 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "five and after"
     assert len(record["switches_by_fit"]) == 5
     assert record["spin_ms_eager"] > 0, "each eager-only fit's middle batch reads the host"
