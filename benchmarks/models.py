@@ -332,6 +332,77 @@ def wav2vec2(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     return net, hf_loss, speech_batches(batch, 400 if smoke else 32000, net.config.vocab_size, 4 if smoke else 24)
 
 
+def gpt_neox(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """A GPT-NeoX causal LM in Pythia-160m's shape (attention and MLP side by side in each layer, rotary positions
+    on a quarter of each head), a 32000-token vocabulary."""
+    full = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                vocab_size=32000, max_position_embeddings=1024)  # fmt: skip
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                max_position_embeddings=64, **TINY_TEXT)  # fmt: skip
+    net = _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", full, tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
+def gemma3(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """A Gemma 3 causal LM, 12 layers of 768: five sliding-window layers (a 256-token window over 512 tokens, so
+    the window masks) to one global, each kind with its own rotary table; norms on queries and keys."""
+    full = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                num_key_value_heads=4, head_dim=64, query_pre_attn_scalar=64, vocab_size=32000, sliding_window=256,
+                max_position_embeddings=1024)  # fmt: skip
+    tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"],
+                **TINY_TEXT)  # fmt: skip
+    net = _hf("Gemma3TextConfig", "Gemma3ForCausalLM", full, tiny, smoke)
+    return net, hf_loss, token_batches(batch, 16 if smoke else 512, net.config.vocab_size)
+
+
+def whisper(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """Whisper-tiny (the config's defaults) on 30 s of log-mel features and 64-token transcripts: an encoder of
+    1500 frames, a decoder whose config keeps its key-value cache on in training."""
+    tiny = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+                encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+                max_target_positions=16, decoder_start_token_id=2, **TINY_TEXT)  # fmt: skip
+    net = _hf("WhisperConfig", "WhisperForConditionalGeneration", {}, tiny, smoke)
+    config = net.config
+    frames, label_len = 2 * config.max_source_positions, 8 if smoke else 64  # the encoder's two convolutions halve
+    return net, hf_loss, [{"input_features": torch.randn(batch, config.num_mel_bins, frames),
+                           "labels": torch.randint(3, config.vocab_size, (batch, label_len))}
+                          for _ in range(DISTINCT_BATCHES)]  # fmt: skip
+
+
+def clip(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """CLIP ViT-B/32 (the config's defaults) trained contrastively on image and caption pairs: the loss pairs
+    every image with every caption of the batch."""
+    import transformers
+
+    if smoke:
+        text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    max_position_embeddings=16, **TINY_TEXT)  # fmt: skip
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      image_size=32, patch_size=8)  # fmt: skip
+        config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    else:
+        config = transformers.CLIPConfig()
+    net = transformers.CLIPModel(config)
+    text, vision = config.text_config, config.vision_config
+    return net, hf_loss, [{"input_ids": torch.randint(3, text.vocab_size, (batch, text.max_position_embeddings)),
+                           "pixel_values": torch.randn(batch, 3, vision.image_size, vision.image_size),
+                           "return_loss": True} for _ in range(DISTINCT_BATCHES)]  # fmt: skip
+
+
+def segformer(batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
+    """SegFormer-B0 (the config's defaults) for 150-class segmentation of 512-pixel images: attention over
+    spatially reduced keys, and a loss on logits upsampled to the label map."""
+    tiny = dict(num_channels=3, depths=[1, 1, 1, 1], hidden_sizes=[8, 16, 16, 32], num_attention_heads=[1, 1, 1, 2],
+                decoder_hidden_size=32, num_labels=10)  # fmt: skip
+    net = _hf("SegformerConfig", "SegformerForSemanticSegmentation", dict(num_labels=150), tiny, smoke)
+    side, classes = 32 if smoke else 512, net.config.num_labels
+    return net, hf_loss, [{"pixel_values": torch.randn(batch, 3, side, side),
+                           "labels": torch.randint(0, classes, (batch, side, side))}
+                          for _ in range(DISTINCT_BATCHES)]  # fmt: skip
+
+
 def torchvision_model(name: str, batch: int, smoke: bool) -> tuple[nn.Module, Callable, list]:
     classes = 10 if smoke else 1000
     net = getattr(torchvision.models, name)(num_classes=classes)
@@ -365,6 +436,11 @@ MODELS: dict[str, tuple[str, Callable, int, int]] = {
     "modernbert": ("transformers", modernbert, 16, 64),
     "swin": ("transformers", swin, 32, 128),
     "wav2vec2": ("transformers", wav2vec2, 8, 32),
+    "gpt_neox": ("transformers", gpt_neox, 8, 32),
+    "gemma3": ("transformers", gemma3, 8, 32),
+    "whisper": ("transformers", whisper, 8, 32),
+    "clip": ("transformers", clip, 32, 128),
+    "segformer": ("transformers", segformer, 16, 64),
     "resnet50": ("torchvision", partial(torchvision_model, "resnet50"), 32, 128),
     "mobilenet_v3_small": ("torchvision", partial(torchvision_model, "mobilenet_v3_small"), 64, 256),
     "efficientnet_b0": ("torchvision", partial(torchvision_model, "efficientnet_b0"), 32, 128),

@@ -1,4 +1,5 @@
-"""The zoo: FuseCallback against the alternatives a Lightning user has, on 16 models, at a small and a large batch.
+"""The zoo: FuseCallback against the alternatives a Lightning user has, on the models of ``models.MODELS``, at a
+small and a large batch.
 
 Variants (``models.apply_variant``): ``eager``, ``compile`` (``torch.compile(net)``), ``reduce_overhead``
 (``mode="reduce-overhead"``), ``regional`` (each repeated block ``.compile()``) and ``fuse`` (``FuseCallback()``),
