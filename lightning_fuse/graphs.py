@@ -11,9 +11,10 @@ the graph, and the rest is rebuilt around each replay. An output leaf that is ne
 cache object, say) leaves the module uncaptured, with a one-line reason. Before capturing, two eager probes run the
 module on the captured inputs: the first compiles every region for these shapes and records the output's shape;
 the second must not compile and, on CUDA, runs with host syncs raising (CPU tensors copied in forward, ``.item()``):
-what would fail inside a capture fails here, harmlessly. If the capture fails anyway, the RNG state, buffers,
-gradients and the autocast cache are restored and the module runs as before. Batches of another signature, eval
-mode, and eager reference steps run the module as usual.
+what would fail inside a capture fails here, harmlessly; a probe's output that outlives its call is collected
+before the capture (its autograd graph would fail it: :func:`_free_outlived`). If the capture fails anyway, the
+RNG state, buffers, gradients and the autocast cache are restored and the module runs as before. Batches of another
+signature, eval mode, and eager reference steps run the module as usual.
 
 Example::
 
@@ -29,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
@@ -375,8 +377,9 @@ class GraphedModule:
         probed: int | None = None  # the compiles counted once the probes passed
         try:
             with restored_on_failure(self.module):
-                self._probe(flat, tensors)
+                probe_outputs = self._probe(flat, tensors)
                 probed = self._compiles()
+                _free_outlived(probe_outputs)
                 graphed = self._capture_fn(flat, tensors, num_warmup_iters=3)
             graphed = graphed.__dict__.pop("forward") if isinstance(graphed, nn.Module) else graphed
             replay.release_capture_graph(graphed)
@@ -402,14 +405,16 @@ class GraphedModule:
                     f"masks do: {describe_error(err)})")  # fmt: skip
         return f"the capture failed ({describe_error(err)})"
 
-    def _probe(self, flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:
-        """Two eager forward+backward passes outside any capture; what would fail inside one fails here."""
-        _forward_backward(flat, tensors)  # compiles every region for these shapes; checks the output's leaves
+    def _probe(self, flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> list[weakref.ref]:
+        """Two eager forward+backward passes outside any capture; what would fail inside one fails here. Returns
+        weak references to their outputs."""
+        outputs = _forward_backward(flat, tensors)  # compiles every region for these shapes; checks the leaves
         before = self._compiles()
         with host_syncs_raise(any(t.is_cuda for t in tensors)):
-            _forward_backward(flat, tensors)
+            outputs += _forward_backward(flat, tensors)
         if self._compiles() != before:
             raise Uncapturable("its compiled regions compile again at every call, so they cannot be captured")
+        return outputs
 
 
 def describe_graphs(graphs: Sequence[GraphedModule]) -> str:
@@ -449,11 +454,36 @@ def static_inputs(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     return tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors)
 
 
-def _forward_backward(flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> None:
+def _forward_backward(flat: FlatCall, tensors: tuple[torch.Tensor, ...]) -> list[weakref.ref]:
+    """One forward and backward of ``flat`` that leaves every ``.grad`` untouched; weak references to its outputs."""
     outputs = [o for o in flat(*tensors) if o.requires_grad]
     inputs = [i for i in (*tensors, *flat.parameters()) if i.requires_grad]
-    if outputs and inputs:  # autograd.grad leaves every .grad untouched
+    if outputs and inputs:
         torch.autograd.grad(outputs, inputs, [torch.ones_like(o) for o in outputs], allow_unused=True)
+    return [weakref.ref(o) for o in outputs]
+
+
+def _free_outlived(outputs: list[weakref.ref]) -> None:
+    """Collect the garbage where an output of the probe outlived its call, so that its autograd graph goes before
+    the capture.
+
+    That graph holds the parameters' ``AccumulateGrad`` nodes, made on the probe's stream; while they live, the
+    capture's backward, on a stream of its own, accumulates through them and waits across streams, which no capture
+    survives. On an H200, each of five warm fits of HF Whisper (graph breaks in its forward, its compile from the
+    cache) lost its graph at this point: torch warned that "the AccumulateGrad node's stream does not match" in the
+    capture's warm-up, an earlier output of the compiled network (loss, logits, the encoder's last state) was still
+    alive there, referred to by its output object and two lists only, and the capture failed ("operation failed due
+    to a previous error during capture"); the cold fits, whose search captured after a long compile, did not. A
+    collection frees what only a reference cycle holds; it costs up to 0.3 s in a large process, so it runs only
+    where an output outlived its call.
+
+    Example::
+
+        >>> out = torch.ones(1, requires_grad=True) * 2
+        >>> _free_outlived([weakref.ref(out)])  # alive: collects
+    """
+    if any(ref() is not None for ref in outputs):
+        gc.collect()
 
 
 @contextmanager

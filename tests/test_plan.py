@@ -7,6 +7,7 @@ eagerly (so kwargs, pytree outputs and the rebuild are exercised), or disturbs t
 import copy
 import gc
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -260,6 +261,44 @@ def test_a_release_collects_garbage_only_where_it_dropped_graphs(monkeypatch):
     assert graphed.captured
     graphed.release()
     assert collections == [1] and not graphed.captured, "the dropped graph's memory pool goes"
+
+
+class HeldInACycle(nn.Module):
+    """Each output is kept alive by a reference cycle (only a garbage collection frees it); ``outputs`` holds weak
+    references to them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.outputs: list[weakref.ref] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        cycle: list = [out]
+        cycle.append(cycle)
+        self.outputs.append(weakref.ref(out))
+        return out
+
+
+def test_an_output_of_the_probe_that_outlives_its_call_is_freed_before_the_capture():
+    """On an H200, HF Whisper's warm fits lost their graph: an earlier output, with its autograd graph (whose
+    AccumulateGrad nodes were made on another stream), was still alive at the capture."""
+    net, alive_at_capture = HeldInACycle(), []
+
+    def capture(flat, tensors, num_warmup_iters):
+        alive_at_capture.append(sum(ref() is not None for ref in net.outputs))
+        return lambda *args: flat(*args)
+
+    graphed = GraphedModule("net", net, capture=capture, on_device=lambda t: True)
+    graphed.install()
+    graphed.capture_allowed = True
+    gc.disable()  # no automatic collection between the probe and the capture
+    try:
+        net(torch.ones(1, 2))
+    finally:
+        gc.enable()
+    assert graphed.captured and len(net.outputs) == 3, "two probe calls, then the captured call"
+    assert alive_at_capture == [0]
     graphed.uninstall()
 
 
@@ -735,3 +774,25 @@ def test_graphs_over_a_model_whose_parameters_got_new_storage_between_epochs_are
     assert optimizer_graph.disabled_reason is None
     graphed.disable("the capture failed (RuntimeError: called a synchronizing CUDA operation)")  # as under SWA's BN
     assert f"graph: {graphed.replays} replays, then none (the capture failed" in fit.what_ran()
+
+
+@pytest.mark.parametrize(("cached", "replays", "forgotten"), [(True, 0, True), (True, 5, False), (False, 0, False)])
+def test_a_cached_plan_whose_graph_was_refused_before_its_first_replay_is_measured_again(tmp_path, cached, replays,
+                                                                                         forgotten):  # fmt: skip
+    """On an H200, HF Whisper's warm fits lost the graph their cold fit's search had captured, and ran 3.6x slower
+    than that trial timed: the next run measures again. A graph that replayed, or a decision this fit measured,
+    stays."""
+    from lightning_fuse.choice import forget_a_cached_plan_without_its_graph
+    from lightning_fuse.decision import Decision, DecisionFile, Trial
+
+    stored = DecisionFile(tmp_path, "key")
+    stored.store(Decision("regions+graph", [Trial("regions+graph", 8.1, "chosen")]))
+    fit = FitState()
+    fit.decision, fit.decision_file = stored.load(["regions+graph"]), stored
+    fit.decision.cached = cached
+    fit.plan = plan_module.Plan()
+    fit.plan.graph = GraphedModule("model", nn.Linear(2, 2))
+    fit.plan.graph.replays = replays
+    fit.plan.graph.disable("the capture failed (AcceleratorError: CUDA error)", warn=False)
+    forget_a_cached_plan_without_its_graph(fit)
+    assert stored.path.exists() is not forgotten
