@@ -29,7 +29,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_fuse.choice import Training, activate_plan, share_optimizer_verdict
+from lightning_fuse.choice import (
+    Training,
+    activate_plan,
+    forget_a_cached_plan_without_its_graph,
+    share_optimizer_verdict,
+)
 from lightning_fuse.fit import OUTPUTS_HELD, FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
 from lightning_fuse.options import AUTO, RECOMPILE_LIMIT, REFERENCE_BUDGET, DimSpec, FuseOptions, Target
@@ -354,6 +359,7 @@ class FuseCallback(Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero:
             self.verdict = report(self.fit, self.history, trainer.loggers, trainer.current_epoch)
+            forget_a_cached_plan_without_its_graph(self.fit)
         if self.fit.hooks.cache is not None and trainer.is_global_zero:
             self.fit.hooks.cache.save()
             self.fit.hooks.cache.warn_if_bypassed(since=self.fit.cache_at_start)
