@@ -261,6 +261,7 @@ def test_a_release_collects_garbage_only_where_it_dropped_graphs(monkeypatch):
     assert graphed.captured
     graphed.release()
     assert collections == [1] and not graphed.captured, "the dropped graph's memory pool goes"
+    graphed.uninstall()
 
 
 class HeldInACycle(nn.Module):
@@ -298,7 +299,7 @@ def test_an_output_of_the_probe_that_outlives_its_call_is_freed_before_the_captu
     finally:
         gc.enable()
     assert graphed.captured and len(net.outputs) == 3, "two probe calls, then the captured call"
-    assert alive_at_capture == [0]
+    assert alive_at_capture == [0], "what only a collection frees went before the capture"
     graphed.uninstall()
 
 
