@@ -471,11 +471,11 @@ def _free_outlived(outputs: list[weakref.ref]) -> None:
     capture's backward, on a stream of its own, accumulates through them and waits across streams, which no capture
     survives. On an H200, each of five warm fits of HF Whisper (graph breaks in its forward, its compile from the
     cache) lost its graph at this point: torch warned that "the AccumulateGrad node's stream does not match" in the
-    capture's warm-up, an earlier output of the compiled network (loss, logits, the encoder's last state) was still
-    alive there, referred to by its output object and two lists only, and the capture failed ("operation failed due
-    to a previous error during capture"); the cold fits, whose search captured after a long compile, did not. A
-    collection frees what only a reference cycle holds; it costs up to 0.3 s in a large process, so it runs only
-    where an output outlived its call.
+    capture's warm-up, and the capture failed ("operation failed due to a previous error during capture"); in the two
+    fits where a diagnostic listed what was alive there, an earlier output of the compiled network (loss, logits,
+    the encoder's last state) was, referred to by its output object and two lists only. The cold fits, whose search
+    captured after a long compile, did not fail. A collection frees what only a reference cycle holds; it costs up
+    to 0.3 s in a large process, so it runs only where an output outlived its call.
 
     Example::
 
