@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -54,6 +54,9 @@ CLEARLY_SLOWER = 1.0
 """With mode="auto", a plan whose epoch's interval lies wholly below this speedup is dropped too, once the pooled
 reference is not thin (:attr:`~lightning_fuse.timing.ReferencePool.thin`): slower than eager beyond the noise the
 interval measures, though above the margin."""
+COMPILED_FROM_THE_START = 'mode="reduce-overhead", targets="full", eager_steps=0, verify=False'
+"""FuseCallback's arguments for a model that runs compiled but not eagerly: the whole network compiled at the first
+step, no eager reference, no region's first output checked against eager."""
 
 
 class FuseCallback(Callback):
@@ -157,6 +160,7 @@ class FuseCallback(Callback):
         self.history: list[dict[str, Any]] = []
         self.resumed_plan: str | None = None  # the plan of the checkpoint this fit resumed from, if any
         self.fit = FitState()
+        self._eager_step = False  # the running training step runs eagerly because FuseCallback runs it so
         self.verdict: str | None = None  # the last fit's result in one line (on rank zero)
 
     @property
@@ -230,10 +234,12 @@ class FuseCallback(Callback):
         # and zeroes the gradients then, between the training step's forward and its backward
         zeroed_after_forward = iteration_start and pl_module.automatic_optimization
         fit.begin_step(batch, batch_idx, self.options.length_fn, iteration_start, zeroed_after_forward)
+        self._eager_step = fit.plan is None or (fit.runs_compiled() and fit.schedule.is_eager(fit.steps))
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
+        self._eager_step = False
         self._judge_window(trainer, self.fit.end_step())
         share_optimizer_verdict(self.fit, trainer.strategy.broadcast)
 
@@ -371,7 +377,19 @@ class FuseCallback(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        where = self._where_it_ran_eagerly(trainer.sanity_checking)
+        if isinstance(exception, RuntimeError) and where is not None:
+            rank_zero_warn(_ran_eagerly(where, exception))
         self._restore()
+
+    def _where_it_ran_eagerly(self, sanity_checking: bool) -> str | None:
+        """Where the fit is, if it runs the network eagerly because FuseCallback runs it so (``None``: it does not)."""
+        fit = self.fit
+        if fit.setting is not None and fit.plan is None and sanity_checking:
+            return "in the sanity check, which runs before the plan is installed"
+        if self._eager_step and fit.plan is None:
+            return f"at step {fit.steps}, one of the first {fit.activation_step}, which run eagerly before the plan"
+        return f"at step {fit.steps}, an eager reference step, which measures the speedup" if self._eager_step else None
 
     def _restore(self) -> None:
         """Leave the model exactly as it was before fit: eager, unpatched, with torch's settings restored."""
@@ -408,6 +426,22 @@ def _below(speedup: float) -> str:
         if round(speedup, digits) < SLOWER_THAN_EAGER:
             return f"{speedup:.{digits}f}"
     return f"{speedup:.6f}"
+
+
+def _ran_eagerly(where: str, exception: BaseException) -> str:
+    """What to do where the fit raised while FuseCallback ran the network eagerly (``where``: its first steps, an
+    eager reference step, or the sanity check): a model may run compiled where it cannot run eagerly (a kernel's
+    size limit, or eager's memory).
+
+    Example::
+
+        >>> _ran_eagerly("at step 0", RuntimeError("boom")).split(". ")[0]
+        'FuseCallback: the fit raised (RuntimeError) at step 0, where the network ran eagerly'
+    """
+    return (f"FuseCallback: the fit raised ({type(exception).__name__}) {where}, where the network ran eagerly. If "
+            "your model runs under torch.compile but not eagerly (a kernel's size limit, or eager's memory), start "
+            f"on a compiled plan with no eager step: FuseCallback({COMPILED_FROM_THE_START}), with "
+            "Trainer(num_sanity_val_steps=0).")
 
 
 def _training(trainer: pl.Trainer) -> Training:

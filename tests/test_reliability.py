@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_fuse import FuseCallback, gpu
+from lightning_fuse.callback import COMPILED_FROM_THE_START
 from lightning_fuse.meters import GpuMeters
 from tests.fake_nvml import FakeNvml
 from tests.faults import (
@@ -32,7 +33,7 @@ from tests.faults import (
     scalar_steps,
     valid_artifacts,
 )
-from tests.toy import RecordingTask, trainer
+from tests.toy import Net, RecordingTask, trainer
 
 
 def fit(task, callbacks, **kwargs):
@@ -275,6 +276,46 @@ def test_a_fit_interrupted_mid_epoch_leaves_the_model_eager_the_logs_readable_an
         fit(seeded_task(), [following], max_steps=2, limit_val_batches=0)
     assert following.cache.loaded
     assert not messages(record, "compile cache"), messages(record, "compile cache")
+
+
+class CompiledOnlyNet(Net):
+    """Raises where it runs eagerly after its first ``eager_calls`` eager calls, and runs compiled: as a kernel's
+    size limit or eager's memory can (HF SegFormer at 64 images of 512 px on an H200: eager's bilinear upsampling
+    takes at most INT_MAX elements, and ``reduce-overhead`` ran it)."""
+
+    def __init__(self, eager_calls: int = 0) -> None:
+        super().__init__()
+        self.eager_calls = eager_calls
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            if self.eager_calls == 0:
+                raise RuntimeError("injected: too large for the eager kernel")
+            self.eager_calls -= 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize(
+    ("eager_calls", "fuse_kwargs", "trainer_kwargs", "where"),
+    [(0, {}, {}, "in the sanity check"),
+     (0, {}, {"num_sanity_val_steps": 0}, "at step 0, one of the first 3"),
+     (3, {"mode": "default", "targets": "full", "verify": False}, {"num_sanity_val_steps": 0}, "an eager reference")],
+    ids=["sanity-check", "first-steps", "reference-step"],
+)  # fmt: skip
+def test_a_model_that_runs_only_compiled_is_told_how_to_train_and_trains_so(recwarn, eager_calls, fuse_kwargs,
+                                                                             trainer_kwargs, where):  # fmt: skip
+    task = seeded_task(samples=640)  # 40 steps an epoch: room for eager reference steps
+    task.model = CompiledOnlyNet(eager_calls)
+    with pytest.raises(RuntimeError, match="too large for the eager kernel"):
+        fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, **fuse_kwargs)], **trainer_kwargs)
+    hints = messages(recwarn, "where the network ran eagerly")
+    assert len(hints) == 1 and where in hints[0] and COMPILED_FROM_THE_START in hints[0], hints
+
+    advised = {**eval(f"dict({COMPILED_FROM_THE_START})"), "mode": "default"}  # reduce-overhead needs a GPU
+    task = seeded_task(samples=640)
+    task.model = CompiledOnlyNet()
+    fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, **advised)], num_sanity_val_steps=0)
+    assert len(task.losses) == 80 and all(map(math.isfinite, task.losses))
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
