@@ -54,7 +54,7 @@ CLEARLY_SLOWER = 1.0
 """With mode="auto", a plan whose epoch's interval lies wholly below this speedup is dropped too, once the pooled
 reference is not thin (:attr:`~lightning_fuse.timing.ReferencePool.thin`): slower than eager beyond the noise the
 interval measures, though above the margin."""
-COMPILED_FROM_THE_START = 'mode="reduce-overhead", targets="full", eager_steps=0, verify=False'
+COMPILED_FROM_THE_START = {"mode": "reduce-overhead", "targets": "full", "eager_steps": 0, "verify": False}
 """FuseCallback's arguments for a model that runs compiled but not eagerly: the whole network compiled at the first
 step, no eager reference, no region's first output checked against eager."""
 
@@ -440,8 +440,19 @@ def _ran_eagerly(where: str, exception: BaseException) -> str:
     """
     return (f"FuseCallback: the fit raised ({type(exception).__name__}) {where}, where the network ran eagerly. If "
             "your model runs under torch.compile but not eagerly (a kernel's size limit, or eager's memory), start "
-            f"on a compiled plan with no eager step: FuseCallback({COMPILED_FROM_THE_START}), with "
+            f"on a compiled plan with no eager step: FuseCallback({arguments(COMPILED_FROM_THE_START)}), with "
             "Trainer(num_sanity_val_steps=0).")
+
+
+def arguments(kwargs: Mapping[str, Any]) -> str:
+    """``kwargs`` as they are written in a call.
+
+    Example::
+
+        >>> arguments({"mode": "default", "eager_steps": 0})
+        "mode='default', eager_steps=0"
+    """
+    return ", ".join(f"{name}={value!r}" for name, value in kwargs.items())
 
 
 def _training(trainer: pl.Trainer) -> Training:
