@@ -112,15 +112,19 @@ def test_zoo_cold_and_warm_and_the_table(tmp_path: Path, in_process) -> None:
     assert harness.main(["table", str(out)]) == 0
 
 
-def test_a_compiling_variant_left_out_of_cold_runs_once_and_its_setup_is_the_cold_one(tmp_path: Path, in_process):
+@pytest.mark.parametrize("variant", ["fuse_eager_random", "fuse_compiled_only"])
+def test_a_compiling_variant_left_out_of_cold_runs_once_and_its_setup_is_the_cold_one(tmp_path: Path, in_process,
+                                                                                       variant: str):  # fmt: skip
     import zoo
 
     out = tmp_path / "zoo.jsonl"
-    args = ["--smoke", "--models", "gpt", "--batches", "small", "--variants", "fuse_eager_random", "--cold", ""]
+    args = ["--smoke", "--models", "gpt", "--batches", "small", "--variants", variant, "--cold", ""]
     assert zoo.main([*args, "--out", str(out)]) == 0
     (record,) = _records(out)
     assert record["setup_s_cold"] > 0 and record.get("setup_s_warm") is None, "one process, on an empty cache"
-    assert record["variant"] == "fuse_eager_random" and record["plan"], "the zoo's own variant runs fuse"
+    assert record["variant"] == variant and record["plan"] and not record["error"], "the zoo's own variant runs fuse"
+    if variant == "fuse_compiled_only":  # the whole network from the first step, as the warning's settings say
+        assert "mode='reduce-overhead'" in record["ran"] and record["eager_step_ms_in_run"] is None
 
 
 def test_zoo_checks_hold_fuse_to_the_fastest_one_liner_of_each_cases_newest_rows(tmp_path: Path, capsys) -> None:
