@@ -244,11 +244,13 @@ def test_a_fit_interrupted_mid_epoch_leaves_the_model_eager_the_logs_readable_an
     logger = TensorBoardLogger(tmp_path, name="tb", version=0)
     sigint = signal.getsignal(signal.SIGINT)  # Lightning ignores SIGINT after a KeyboardInterrupt
     try:
-        with pytest.raises(raised):
+        with pytest.raises(raised), warnings.catch_warnings(record=True) as failing:
+            warnings.simplefilter("always")
             fit(task, [fuse], max_epochs=3, logger=logger)
     finally:
         signal.signal(signal.SIGINT, sigint)
     assert len(task.losses) == 7
+    assert not messages(failing, "where the network ran eagerly"), "the step that raised ran compiled"
     assert fuse.cache.loaded  # the run did read the cache before failing
 
     # the model is eager and usable, and torch's settings are back
