@@ -37,7 +37,8 @@ from lightning_fuse.callback import COMPILED_FROM_THE_START
 FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "step_ms_mean",
           "setup_s_cold", "setup_s_warm", "compile_s_cold", "compile_s_warm", "train_start_s", "batch_starts_s",
           "peak_gb", "plan", "ran", "search", "eager_step_ms_in_run", "error")  # fmt: skip
-DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM), "fuse_compiled_only": ("fuse", COMPILED_FROM_THE_START)}
+COMPILED_ONLY = "fuse_compiled_only"  # one of DERIVED: the checks name it where fuse crashed
+DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM), COMPILED_ONLY: ("fuse", COMPILED_FROM_THE_START)}
 """Variants of the zoo's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
 ``fuse_eager_random`` (:data:`models.EAGER_RANDOM`): what drawing eager's dropout masks costs ``fuse``.
 ``fuse_compiled_only`` (:data:`~lightning_fuse.callback.COMPILED_FROM_THE_START`): the settings FuseCallback's
@@ -117,6 +118,8 @@ mean 0.90; cold setup <= 1.5x reduce-overhead's in 1 of 1; warm <= 0.25x cold in
     verdicts += f" {MEAN_OFF} The best one-liner's mean step is slower than eager's: {', '.join(off)}." if off else ""
     apart = sum(case["apart"] for case in judged)
     verdicts += f" {APART} {apart} ratios pair rows of different calls, not side by side." if apart else ""
+    rescued = _compiled_only(cases, crashes)
+    verdicts += f" Where fuse crashed, the settings its warning names ({COMPILED_ONLY}): {rescued}." if rescued else ""
     header = ("| model | batch | eager ms | best one-liner ms | fuse ms | plan | over eager | over best | cold over "
               "reduce-overhead's | warm over cold |")  # fmt: skip
     return harness.checks_report(header, "|---|---:|---:|---|---:|---|---:|---:|---:|---:|", judged, crashes, verdicts)
@@ -127,8 +130,7 @@ def _case_checks(model: str, batch: int, variants: dict[str, dict]) -> dict | No
     fuse, eager, ro = variants.get("fuse"), variants.get("eager"), variants.get("reduce_overhead")
     if fuse is None:
         return None
-    liners = [variants[name] for name in ONE_LINERS if name in variants]
-    best = min(liners, key=lambda row: row["step_ms"]) if liners else None
+    best = _best_one_liner(variants)
 
     def ratio(top: float | None, bottom: float | None) -> float | None:
         return top / bottom if top is not None and bottom else None
@@ -150,6 +152,35 @@ def _case_checks(model: str, batch: int, variants: dict[str, dict]) -> dict | No
              figure(found["warm"]) + (f" ({ro_warm:.2f})" if ro_warm is not None else "")]  # fmt: skip
     off = f"{model} at {batch}, {best['variant']} {mean:.1f} ms against {eager['step_ms']:.1f}" if mean_off else None
     return {**found, "mean_off": off, "apart": sum(apart.values()), "line": "| " + " | ".join(map(str, cells)) + " |"}
+
+
+def _best_one_liner(variants: dict[str, dict]) -> dict | None:
+    """The row of the fastest one-liner measured (:data:`ONE_LINERS`), ``None`` without one."""
+    liners = [variants[name] for name in ONE_LINERS if name in variants]
+    return min(liners, key=lambda row: row["step_ms"]) if liners else None
+
+
+def _compiled_only(cases: dict[tuple, dict[str, dict]], crashes: list[str]) -> str:
+    """Each case whose ``fuse`` fit crashed and whose ``fuse_compiled_only`` fit ran: its step, over the fastest
+    one-liner's (:data:`APART` where the two come from different calls), as one phrase (empty: none).
+
+    Example::
+
+        >>> cases = {("m", 64): {"fuse_compiled_only": {"variant": "fuse_compiled_only", "step_ms": 136.0},
+        ...                      "reduce_overhead": {"variant": "reduce_overhead", "step_ms": 135.0}}}
+        >>> _compiled_only(cases, ["m 64 eager", "m 64 fuse"])
+        'm at 64 136.00 ms, 1.01x reduce_overhead'
+    """
+    found = []
+    for (model, batch), variants in sorted(cases.items()):
+        row = variants.get(COMPILED_ONLY)
+        if row is None or f"{model} {batch} fuse" not in crashes:
+            continue
+        best = _best_one_liner(variants)
+        versus = (f", {row['step_ms'] / best['step_ms']:.2f}x{APART if _apart(row, best) else ''} {best['variant']}"
+                  if best else "")  # fmt: skip
+        found.append(f"{model} at {batch} {harness.figure(row['step_ms'])} ms{versus}")
+    return "; ".join(found)
 
 
 def _apart(row: dict, other: dict | None) -> bool:
