@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -211,6 +212,9 @@ class FuseCallback(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
+        rescue = self.fit.hooks.rescue
+        if rescue is not None and rescue.reason is not None and self.fit.plan is None:
+            self._compile_from_here(trainer, pl_module, rescue.reason)
         fit = self.fit
         fit.timer.start()  # this step's start is the last step's end
         if batch_idx == 0:  # after every callback's epoch-end and epoch-start hooks
@@ -235,6 +239,17 @@ class FuseCallback(Callback):
         zeroed_after_forward = iteration_start and pl_module.automatic_optimization
         fit.begin_step(batch, batch_idx, self.options.length_fn, iteration_start, zeroed_after_forward)
         self._eager_step = fit.plan is None or (fit.runs_compiled() and fit.schedule.is_eager(fit.steps))
+
+    def _compile_from_here(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
+        """Eager refused a call of the network for its size (:class:`~lightning_fuse.guard.EagerRescue`): the fit
+        goes on as one started with :data:`COMPILED_FROM_THE_START` would, from this step (and so do later fits)."""
+        self.fit.close()
+        self.options = replace(self.options, **COMPILED_FROM_THE_START)
+        self.on_fit_start(trainer, pl_module)
+        self.fit.begin_epoch(_batches_to_run(trainer), pl_module.device)
+        rank_zero_warn(f"FuseCallback: eager refused a call of the network for its size ({reason}); it ran compiled "
+                       f"instead, and the fit goes on as FuseCallback({arguments(COMPILED_FROM_THE_START)}) runs "
+                       "it: the whole network compiled, no eager step, so no speedup over eager is measured.")
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -378,7 +393,8 @@ class FuseCallback(Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         where = self._where_it_ran_eagerly(trainer.sanity_checking)
-        if isinstance(exception, RuntimeError) and where is not None:
+        rescued = self.fit.hooks.rescue is not None and self.fit.hooks.rescue.reason is not None
+        if isinstance(exception, RuntimeError) and where is not None and not rescued:  # else it ran compiled too
             rank_zero_warn(_ran_eagerly(where, exception))
         self._restore()
 
@@ -430,8 +446,8 @@ def _below(speedup: float) -> str:
 
 def _ran_eagerly(where: str, exception: BaseException) -> str:
     """What to do where the fit raised while FuseCallback ran the network eagerly (``where``: its first steps, an
-    eager reference step, or the sanity check): a model may run compiled where it cannot run eagerly (a kernel's
-    size limit, or eager's memory).
+    eager reference step, or the sanity check): a model may run compiled where it cannot run eagerly (eager's
+    memory, or a kernel's limit that :class:`~lightning_fuse.guard.EagerRescue` did not meet before the plan).
 
     Example::
 
@@ -439,7 +455,7 @@ def _ran_eagerly(where: str, exception: BaseException) -> str:
         'FuseCallback: the fit raised (RuntimeError) at step 0, where the network ran eagerly'
     """
     return (f"FuseCallback: the fit raised ({type(exception).__name__}) {where}, where the network ran eagerly. If "
-            "your model runs under torch.compile but not eagerly (a kernel's size limit, or eager's memory), start "
+            "your model runs under torch.compile but not eagerly (eager's memory, or a kernel's limit), start "
             f"on a compiled plan with no eager step: FuseCallback({arguments(COMPILED_FROM_THE_START)}), with "
             "Trainer(num_sanity_val_steps=0).")
 

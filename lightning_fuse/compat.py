@@ -83,12 +83,11 @@ class PrivateAPI:
     tested: SpecifierSet = TESTED_TORCH
 
 
-PRIVATE_APIS: dict[str, PrivateAPI] = {
-    api.path: api
-    for api in (
+PRIVATE_APIS: dict[str, PrivateAPI] = {api.path: api for api in (
         PrivateAPI("torch.nn.Module._compiled_call_impl", "installing compiled regions in place, as Module.compile"),
         PrivateAPI("torch.nn.Module._call_impl", "calling a region's plain eager code, hooks included"),
         PrivateAPI("torch._dynamo.eval_frame._stance", "reading the active torch.compiler.set_stance"),
+        PrivateAPI("torch.utils._python_dispatch._disable_current_modes", "running compiled under a dispatch mode"),
         PrivateAPI("torch._dynamo.config.recompile_limit", "raising dynamo's per-code recompile limit"),
         PrivateAPI("torch._dynamo.callback.callback_handler", "timing each compile and bounding recompiles"),
         PrivateAPI("torch._dynamo.lookup_backend", "checking a backend name before fit", required=False),
@@ -117,8 +116,7 @@ PRIVATE_APIS: dict[str, PrivateAPI] = {
                      required=False) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")),
         *(PrivateAPI(f"torch.utils._pytree.{name}", "flattening inputs and outputs (no public torch.utils.pytree)")
           for name in ("tree_flatten", "tree_unflatten", "tree_leaves", "tree_map")),
-    )
-}
+)}
 _warned: set[str] = set()
 
 
@@ -296,8 +294,7 @@ def control_flow_errors() -> tuple[type[BaseException], ...]:
         >>> [error.__name__ for error in control_flow_errors()]
         ['_StopRecomputationError']
     """
-    error = _optional("torch.utils.checkpoint._StopRecomputationError", None)
-    return (error,) if error is not None else ()
+    return tuple(filter(None, [_optional("torch.utils.checkpoint._StopRecomputationError", None)]))
 
 
 @functools.cache
@@ -336,6 +333,23 @@ def active_stance() -> str:
     if not isinstance(stance, str):
         raise TorchAPIChanged(path, PRIVATE_APIS[path].why, f"keeps no `.stance` string there (got {stance!r})")
     return stance
+
+
+def without_dispatch_modes() -> Any:
+    """A context in which no ``TorchDispatchMode`` is active (those active outside are back after it).
+
+    Dynamo runs a compiled function's plain code while one is active (a ``FlopCounterMode`` counting an eager step),
+    so a call that must run compiled leaves them. Why private: only ``torch.utils._python_dispatch`` pops them.
+
+    Example::
+
+        >>> from torch.utils.flop_counter import FlopCounterMode
+        >>> with FlopCounterMode(display=False) as counter, without_dispatch_modes():
+        ...     _ = torch.ones(2, 2) @ torch.ones(2, 2)
+        >>> counter.get_total_flops()
+        0
+    """
+    return _get("torch.utils._python_dispatch._disable_current_modes")()
 
 
 def dynamo_recompile_limit() -> int:

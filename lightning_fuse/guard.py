@@ -1,4 +1,4 @@
-"""The fallback that reaches backward: an error raised there by compiled code costs the plan, never the run.
+"""The fallbacks for a step that raises: in backward under a plan, or in eager's forward refused for its size.
 
 A compiled region's forward falls back on its own (:mod:`lightning_fuse.compiler`), but its backward runs later,
 inside Lightning's closure (``loss.backward()``, activation checkpointing's recomputation, gradient hooks), where
@@ -10,6 +10,9 @@ automatic optimization the step is redone under what runs then (its ``training_s
 again where a plan took over), so the optimizer step that follows uses that plan's or eager's gradients. With manual
 optimization the step's backward is skipped instead (Lightning gives no point from which to redo a user's whole
 step); the plan search has already run every candidate's backward on the run's own inputs, so this is rare.
+
+Before the plan, the network runs eagerly, and an eager kernel may refuse a call for its size where compiled code
+would not: :class:`EagerRescue` runs such a call compiled, and FuseCallback trains on compiled from the start.
 
 Example::
 
@@ -34,7 +37,13 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_fuse.compiler import describe_error
+from lightning_fuse import compat
+from lightning_fuse.compiler import compilable_call, describe_error
+
+SIZE_LIMITS = ("INT_MAX", "32-bit index", "canUse32BitIndexMath")
+"""Words of the errors eager kernels raise for inputs too large for them (HF SegFormer at 64 images of 512 px on an
+H200: "upsample_bilinear2d_nhwc only supports output tensors with less than INT_MAX elements"), where inductor's
+code for the same call has no such limit."""
 
 
 class BackwardGuard:
@@ -103,3 +112,70 @@ class BackwardGuard:
         with self.context():
             out = self._module.training_step(batch, batch_idx)
         return out["loss"] if isinstance(out, Mapping) else out
+
+
+def refused_for_size(error: BaseException) -> bool:
+    """Whether ``error`` is an eager kernel refusing an input for its size (:data:`SIZE_LIMITS`).
+
+    Example::
+
+        >>> refused_for_size(RuntimeError("only supports output tensors with less than INT_MAX elements"))
+        True
+        >>> refused_for_size(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+        False
+    """
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in SIZE_LIMITS)
+
+
+class EagerRescue:
+    """Runs the network compiled where eager's kernels refuse a call of it for its size, before a plan is chosen.
+
+    Installed in the network's compiled-call slot (where ``Module.compile`` installs its own) while FuseCallback
+    runs it eagerly to record its inputs (the sanity check, the first steps): a call runs the plain network, and one
+    that eager refuses (:func:`refused_for_size`) runs again, its buffers put back as they were before it, through
+    ``torch.compile`` of the whole network with ``backend``, as do all later calls, out of the eager stance and any
+    dispatch mode (under one, dynamo runs the compiled function's plain code). :attr:`reason` then says why, and
+    FuseCallback trains on compiled from the start (:data:`~lightning_fuse.callback.COMPILED_FROM_THE_START`). Any
+    other error passes.
+
+    Example::
+
+        >>> net = torch.nn.Linear(2, 2)
+        >>> rescue = EagerRescue(net, backend="eager")
+        >>> rescue.install()
+        >>> net(torch.ones(1, 2)).shape, rescue.reason
+        (torch.Size([1, 2]), None)
+        >>> rescue.uninstall()
+    """
+
+    def __init__(self, network: torch.nn.Module, backend: str | Callable[..., Any]) -> None:
+        self.network, self.backend = network, backend
+        self.reason: str | None = None
+        """Why eager's call was refused (``None``: it never was)."""
+        self._compiled: Callable[..., Any] | None = None
+
+    def install(self) -> None:
+        """Take the network's compiled-call slot, unless something (the user's own compile) holds it already."""
+        if compat.compiled_call_impl(self.network) is None:
+            compat.set_compiled_call_impl(self.network, self._call)
+
+    def uninstall(self) -> None:
+        if compat.compiled_call_impl(self.network) == self._call:
+            compat.set_compiled_call_impl(self.network, None)
+        self._compiled = None
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled is None:
+            buffers = [buffer.clone() for buffer in self.network.buffers()]  # a batch norm's statistics, say
+            try:
+                return compat.call_uncompiled(self.network, *args, **kwargs)
+            except RuntimeError as err:
+                if not refused_for_size(err):
+                    raise
+                self.reason = describe_error(err)
+            with torch.no_grad():  # what the refused call updated before it raised, as it was: the call runs again
+                for buffer, before in zip(self.network.buffers(), buffers, strict=True):
+                    buffer.copy_(before)
+            self._compiled = torch.compile(compilable_call(self.network), backend=self.backend)
+        with torch.compiler.set_stance("default"), compat.without_dispatch_modes():
+            return self._compiled(*args, **kwargs)

@@ -33,7 +33,7 @@ from torch import nn
 from lightning_fuse import compat
 from lightning_fuse.buckets import PadToBuckets
 from lightning_fuse.call_shapes import CallShapes, NoCudnnAttention
-from lightning_fuse.guard import BackwardGuard
+from lightning_fuse.guard import BackwardGuard, EagerRescue
 from lightning_fuse.kv_cache import EagerGeneration, NoCacheInTraining
 from lightning_fuse.module_state import StateWatch
 from lightning_fuse.randomness import RandomDraws
@@ -58,6 +58,8 @@ class FitHooks:
     no_cache: NoCacheInTraining | None = None
     generation: EagerGeneration | None = None
     guard: BackwardGuard | None = None
+    rescue: EagerRescue | None = None
+    """Runs the network compiled where eager refuses a call for its size, until the plan is chosen (one process)."""
     attention: NoCudnnAttention = field(default_factory=NoCudnnAttention)
     """cuDNN attention off in the plan's steps and the eager reference's, where the lengths vary."""
     cache: CompileCache | None = None
@@ -75,12 +77,17 @@ class FitHooks:
 
     @classmethod
     def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
-                on_failure: Callable[[str], bool], pad_buckets: Sequence[int] | None) -> FitHooks:  # fmt: skip
+                on_failure: Callable[[str], bool], pad_buckets: Sequence[int] | None,
+                rescue_backend: str | Callable[..., Any] | None = None) -> FitHooks:  # fmt: skip
         """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, eager ``generate``, the
         backward guard and the state watch on ``pl_module`` (``on_failure``: the plan dropped or handed over,
         :meth:`~lightning_fuse.fit.FitState.fail_plan`; a redone step runs in ``precision``'s autocast and loss
-        scale), the buckets where ``pad_buckets`` are given."""
+        scale), the buckets where ``pad_buckets`` are given, and the rescue of eager's refusals where a
+        ``rescue_backend`` is (:class:`~lightning_fuse.guard.EagerRescue`)."""
         hooks = cls(buckets=PadToBuckets(pad_buckets) if pad_buckets else None)
+        if rescue_backend is not None:
+            hooks.rescue = EagerRescue(network, rescue_backend)
+            hooks.rescue.install()
         hooks.no_cache = NoCacheInTraining(network)
         hooks.no_cache.install()
         hooks.generation = EagerGeneration(pl_module)
@@ -95,7 +102,7 @@ class FitHooks:
 
     def start_recording(self, network: nn.Module) -> None:
         """Record the network's training inputs (and their shapes), and whether its calls draw random numbers,
-        until :meth:`stop_recording`."""
+        until :meth:`stop_recording` (which ends the rescue of eager's refusals too)."""
         # first of the hooks: the search replays the call as the training step makes it, so that a graph it captures
         # has the signature the training calls have (not the one other hooks, use_cache=False, turn it into)
         self._recorder = [network.register_forward_pre_hook(self._record, with_kwargs=True, prepend=True),
@@ -110,6 +117,8 @@ class FitHooks:
         for handle in self._recorder:
             handle.remove()
         self._recorder = []
+        if self.rescue is not None:
+            self.rescue.uninstall()
 
     def raise_recompile_limit(self, regions: int, limit: int, modules: Sequence[nn.Module] = ()) -> None:
         """Raise dynamo's recompile limit for ``regions`` regions that may recompile ``limit`` times each, above the

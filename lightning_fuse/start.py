@@ -70,7 +70,8 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
     fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
     fit.optimizer_graph = options.optimizer_graph
     fit.tracker.install()
-    fit.hooks = FitHooks.install(setting.target[1], pl_module, precision, fit.fail_plan, options.pad_buckets)
+    fit.hooks = FitHooks.install(setting.target[1], pl_module, precision, fit.fail_plan, options.pad_buckets,
+                                 rescue_backend=options.backend if world_size == 1 else None)  # fmt: skip
     fit.hooks.raise_recompile_limit(len(setting.regions), options.recompile_limit,
                                     [region.module for region in setting.regions] + [setting.target[1]])
     setting.policy.as_called = fit.hooks.no_cache.as_called

@@ -1,4 +1,5 @@
-"""The fallback that reaches backward (lightning_fuse.guard), and the truth about what ran (FitState.what_ran)."""
+"""The fallback that reaches backward and the rescue of a call eager refuses (lightning_fuse.guard), and the truth
+about what ran (FitState.what_ran)."""
 
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from lightning_fuse.compiler import CompileOptions
 from lightning_fuse.decision import Decision
 from lightning_fuse.fit import FitState
 from lightning_fuse.graphs import graph_target
+from lightning_fuse.guard import EagerRescue
 from lightning_fuse.measurement import epoch_extras, verdict
 from lightning_fuse.meters import cudagraph_trees
 from lightning_fuse.plan import Regions, RegionTrees, Setting, Whole
@@ -276,3 +278,44 @@ def test_the_summary_says_nothing_of_cudagraph_trees_for_other_plans_or_on_a_cpu
         assert "cudagraph trees" not in fit.what_ran() and fit.trees_recorded() is None
         assert "graphs_recorded" not in epoch_extras(fit, torch.device("cpu"))
     assert cudagraph_trees(torch.device("cpu")) == (0, 0)  # a CPU fit's baseline: nothing looked up
+
+
+class RefusedWhenEager(torch.nn.Module):
+    """Counts its calls in a buffer, then raises ``message`` unless it runs compiled: an eager kernel refusing an
+    input too large for it (HF SegFormer at 64 images of 512 px on an H200), or any other error."""
+
+    def __init__(self, message: str = "input tensor must fit into 32-bit index math") -> None:
+        super().__init__()
+        self.lin, self.message = torch.nn.Linear(2, 2), message
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if not torch.compiler.is_compiling():
+            raise RuntimeError(self.message)
+        return self.lin(x)
+
+
+def test_a_call_eager_refuses_for_its_size_runs_compiled_and_counts_once():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    net = RefusedWhenEager()
+    rescue = EagerRescue(net, backend="aot_eager")
+    rescue.install()
+    with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False):  # as FuseCallback's eager steps
+        assert net(torch.ones(1, 2)).shape == (1, 2)
+    assert "32-bit index" in rescue.reason and net.calls.item() == 1  # the refused call's update was put back
+    net(torch.ones(1, 2))
+    assert net.calls.item() == 2  # a later call runs compiled straight away
+    rescue.uninstall()
+    assert compat.compiled_call_impl(net) is None
+
+
+def test_an_error_that_is_not_a_size_limit_passes_the_rescue():
+    net = RefusedWhenEager("mat1 and mat2 shapes cannot be multiplied")
+    rescue = EagerRescue(net, backend="aot_eager")
+    rescue.install()
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        net(torch.ones(1, 2))
+    assert rescue.reason is None
+    rescue.uninstall()

@@ -20,7 +20,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_fuse import FuseCallback, gpu
+from lightning_fuse import FuseCallback, compat, gpu
 from lightning_fuse.callback import COMPILED_FROM_THE_START, arguments
 from lightning_fuse.meters import GpuMeters
 from tests.fake_nvml import FakeNvml
@@ -285,14 +285,14 @@ class CompiledOnlyNet(Net):
     size limit or eager's memory can (HF SegFormer at 64 images of 512 px on an H200: eager's bilinear upsampling
     takes at most INT_MAX elements, and ``reduce-overhead`` ran it)."""
 
-    def __init__(self, eager_calls: int = 0) -> None:
+    def __init__(self, eager_calls: int = 0, message: str = "injected: too large for the eager kernel") -> None:
         super().__init__()
-        self.eager_calls = eager_calls
+        self.eager_calls, self.message = eager_calls, message
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             if self.eager_calls == 0:
-                raise RuntimeError("injected: too large for the eager kernel")
+                raise RuntimeError(self.message)
             self.eager_calls -= 1
         return super().forward(x)
 
@@ -318,6 +318,21 @@ def test_a_model_that_runs_only_compiled_is_told_how_to_train_and_trains_so(recw
     task.model = CompiledOnlyNet()
     fit(task, [FuseCallback(backend="aot_eager", cache_dir=False, **advised)], num_sanity_val_steps=0)
     assert len(task.losses) == 80 and all(map(math.isfinite, task.losses))
+
+
+@pytest.mark.parametrize("sanity_steps", [1, 0], ids=["in-the-sanity-check", "at-the-first-step"])
+def test_a_call_eager_refuses_for_its_size_runs_compiled_and_the_fit_trains_on_compiled(recwarn, sanity_steps):
+    task = seeded_task(samples=640)
+    task.model = CompiledOnlyNet(message="upsample_bilinear2d_nhwc only supports output tensors with less than "
+                                         "INT_MAX elements")  # fmt: skip
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+    fit(task, [fuse], num_sanity_val_steps=sanity_steps)
+    assert len(task.losses) == 80 and all(map(math.isfinite, task.losses))
+    rescued = messages(recwarn, "eager refused a call of the network for its size")
+    assert len(rescued) == 1 and "INT_MAX" in rescued[0] and arguments(COMPILED_FROM_THE_START) in rescued[0]
+    assert not messages(recwarn, "where the network ran eagerly")
+    assert fuse.options.eager_steps == 0 and fuse.plan is not None and fuse.plan.modules()  # compiled to the end
+    assert compat.compiled_call_impl(task.model) is None  # and plain again after the fit
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
