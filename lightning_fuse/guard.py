@@ -132,7 +132,7 @@ class EagerRescue:
 
     Installed in the network's compiled-call slot (where ``Module.compile`` installs its own) while FuseCallback
     runs it eagerly to record its inputs (the sanity check, the first steps): a call runs the plain network, and one
-    that eager refuses (:func:`refused_for_size`) runs again, its buffers put back as they were before it, through
+    that eager refuses (:func:`refused_for_size`) runs again, its running statistics put back as they were, through
     ``torch.compile`` of the whole network with ``backend``, as do all later calls, out of the eager stance and any
     dispatch mode (under one, dynamo runs the compiled function's plain code). :attr:`reason` then says why, and
     FuseCallback trains on compiled from the start (:data:`~lightning_fuse.callback.COMPILED_FROM_THE_START`). Any
@@ -166,16 +166,23 @@ class EagerRescue:
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled is None:
-            buffers = [buffer.clone() for buffer in self.network.buffers()]  # a batch norm's statistics, say
+            stats = self._running_stats()
+            before = [stat.clone() for stat in stats]
             try:
                 return compat.call_uncompiled(self.network, *args, **kwargs)
             except RuntimeError as err:
                 if not refused_for_size(err):
                     raise
                 self.reason = describe_error(err)
-            with torch.no_grad():  # what the refused call updated before it raised, as it was: the call runs again
-                for buffer, before in zip(self.network.buffers(), buffers, strict=True):
-                    buffer.copy_(before)
+            with torch.no_grad():  # as they were before the refused call: it runs again
+                for stat, saved in zip(stats, before, strict=True):
+                    stat.copy_(saved)
             self._compiled = torch.compile(compilable_call(self.network), backend=self.backend)
         with torch.compiler.set_stance("default"), compat.without_dispatch_modes():
             return self._compiled(*args, **kwargs)
+
+    def _running_stats(self) -> list[torch.Tensor]:
+        """The buffers a training call updates in place: those of the modules that track running statistics (a
+        batch norm's mean, variance and count). Other buffers are not copied: some hold gigabytes (a static cache)."""
+        return [buffer for module in self.network.modules() if getattr(module, "track_running_stats", False)
+                for buffer in module.buffers(recurse=False)]  # fmt: skip

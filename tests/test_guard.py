@@ -281,19 +281,18 @@ def test_the_summary_says_nothing_of_cudagraph_trees_for_other_plans_or_on_a_cpu
 
 
 class RefusedWhenEager(torch.nn.Module):
-    """Counts its calls in a buffer, then raises ``message`` unless it runs compiled: an eager kernel refusing an
-    input too large for it (HF SegFormer at 64 images of 512 px on an H200), or any other error."""
+    """A batch norm, then ``message`` raised unless it runs compiled: an eager kernel refusing an input too large for
+    it (HF SegFormer at 64 images of 512 px on an H200), or any other error."""
 
     def __init__(self, message: str = "input tensor must fit into 32-bit index math") -> None:
         super().__init__()
-        self.lin, self.message = torch.nn.Linear(2, 2), message
-        self.register_buffer("calls", torch.zeros(()))
+        self.norm, self.message = torch.nn.BatchNorm1d(2), message
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
+        x = self.norm(x)
         if not torch.compiler.is_compiling():
             raise RuntimeError(self.message)
-        return self.lin(x)
+        return x
 
 
 def test_a_call_eager_refuses_for_its_size_runs_compiled_and_counts_once():
@@ -302,11 +301,16 @@ def test_a_call_eager_refuses_for_its_size_runs_compiled_and_counts_once():
     net = RefusedWhenEager()
     rescue = EagerRescue(net, backend="aot_eager")
     rescue.install()
+    batch = torch.randn(4, 2) + 3
     with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False):  # as FuseCallback's eager steps
-        assert net(torch.ones(1, 2)).shape == (1, 2)
-    assert "32-bit index" in rescue.reason and net.calls.item() == 1  # the refused call's update was put back
-    net(torch.ones(1, 2))
-    assert net.calls.item() == 2  # a later call runs compiled straight away
+        assert net(batch).shape == (4, 2)
+    assert "32-bit index" in rescue.reason
+    once = torch.nn.BatchNorm1d(2)
+    once(batch)
+    assert net.norm.num_batches_tracked.item() == 1  # the refused call's update was put back
+    torch.testing.assert_close(net.norm.running_mean, once.running_mean)
+    net(batch)
+    assert net.norm.num_batches_tracked.item() == 2  # a later call runs compiled straight away
     rescue.uninstall()
     assert compat.compiled_call_impl(net) is None
 
@@ -316,6 +320,6 @@ def test_an_error_that_is_not_a_size_limit_passes_the_rescue():
     rescue = EagerRescue(net, backend="aot_eager")
     rescue.install()
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        net(torch.ones(1, 2))
+        net(torch.randn(4, 2))
     assert rescue.reason is None
     rescue.uninstall()
