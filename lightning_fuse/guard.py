@@ -178,8 +178,14 @@ class EagerRescue:
                 for stat, saved in zip(stats, before, strict=True):
                     stat.copy_(saved)
             self._compiled = torch.compile(compilable_call(self.network), backend=self.backend)
-        with torch.compiler.set_stance("default"), compat.without_dispatch_modes():
-            return self._compiled(*args, **kwargs)
+        try:
+            with torch.compiler.set_stance("default"), compat.without_dispatch_modes():
+                return self._compiled(*args, **kwargs)
+        except Exception as err:
+            if hasattr(err, "add_note"):  # Python 3.11+
+                err.add_note(f"FuseCallback ran this call of the network compiled, as eager had refused one: "
+                             f"{self.reason}")  # fmt: skip
+            raise
 
     def _running_stats(self) -> list[torch.Tensor]:
         """The buffers a training call updates in place: those of the modules that track running statistics (a

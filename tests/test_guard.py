@@ -1,6 +1,7 @@
 """The fallback that reaches backward and the rescue of a call eager refuses (lightning_fuse.guard), and the truth
 about what ran (FitState.what_ran)."""
 
+import sys
 from collections.abc import Callable
 
 import lightning.pytorch as pl
@@ -313,6 +314,19 @@ def test_a_call_eager_refuses_for_its_size_runs_compiled_and_counts_once():
     assert net.norm.num_batches_tracked.item() == 2  # a later call runs compiled straight away
     rescue.uninstall()
     assert compat.compiled_call_impl(net) is None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
+def test_an_error_of_the_compiled_call_says_eager_had_refused_one():
+    net = RefusedWhenEager()
+    rescue = EagerRescue(net, backend="aot_eager")
+    rescue.install()
+    net(torch.randn(4, 2))  # refused eagerly, run compiled
+    with pytest.raises(RuntimeError) as raised:
+        net(torch.randn(4, 3))  # the wrong width for the batch norm: compiled, it raises too
+    notes = "".join(raised.value.__notes__)
+    assert "eager had refused one: RuntimeError: input tensor must fit into 32-bit index math" in notes
+    rescue.uninstall()
 
 
 def test_an_error_that_is_not_a_size_limit_passes_the_rescue():
