@@ -32,7 +32,7 @@ from pathlib import Path
 import harness
 import models
 
-from lightning_fuse.callback import COMPILED_FROM_THE_START
+from lightning_fuse.options import COMPILED_FROM_THE_START
 
 FIELDS = ("model", "source", "batch_size", "variant", "step_ms", "step_ms_q1", "step_ms_q3", "step_ms_mean",
           "setup_s_cold", "setup_s_warm", "compile_s_cold", "compile_s_warm", "train_start_s", "batch_starts_s",
@@ -41,7 +41,7 @@ COMPILED_ONLY = "fuse_compiled_only"  # one of DERIVED: the checks name it where
 DERIVED = {"fuse_eager_random": ("fuse", models.EAGER_RANDOM), COMPILED_ONLY: ("fuse", COMPILED_FROM_THE_START)}
 """Variants of the zoo's own, as ``multi_gpu.DERIVED``: (the variant they run, its FuseCallback arguments).
 ``fuse_eager_random`` (:data:`models.EAGER_RANDOM`): what drawing eager's dropout masks costs ``fuse``.
-``fuse_compiled_only`` (:data:`~lightning_fuse.callback.COMPILED_FROM_THE_START`): the settings FuseCallback's
+``fuse_compiled_only`` (:data:`~lightning_fuse.options.COMPILED_FROM_THE_START`): the settings FuseCallback's
 warning names for a model that runs only compiled (HF SegFormer at 64 images of 512 px)."""
 VARIANTS = (*models.VARIANTS, *DERIVED)
 ONE_LINERS = ("compile", "reduce_overhead", "regional")

@@ -38,7 +38,15 @@ from lightning_fuse.choice import (
 )
 from lightning_fuse.fit import OUTPUTS_HELD, FitState
 from lightning_fuse.measurement import end_epoch, log_epoch, report
-from lightning_fuse.options import AUTO, RECOMPILE_LIMIT, REFERENCE_BUDGET, DimSpec, FuseOptions, Target
+from lightning_fuse.options import (
+    AUTO,
+    COMPILED_FROM_THE_START,
+    RECOMPILE_LIMIT,
+    REFERENCE_BUDGET,
+    DimSpec,
+    FuseOptions,
+    Target,
+)
 from lightning_fuse.shapes import CompileTracker, DynamicDims
 from lightning_fuse.start import plan_line, start_cache, start_fit
 
@@ -55,9 +63,6 @@ CLEARLY_SLOWER = 1.0
 """With mode="auto", a plan whose epoch's interval lies wholly below this speedup is dropped too, once the pooled
 reference is not thin (:attr:`~lightning_fuse.timing.ReferencePool.thin`): slower than eager beyond the noise the
 interval measures, though above the margin."""
-COMPILED_FROM_THE_START = {"mode": "reduce-overhead", "targets": "full", "eager_steps": 0, "verify": False}
-"""FuseCallback's arguments for a model that runs compiled but not eagerly: the whole network compiled at the first
-step, no eager reference, no region's first output checked against eager."""
 
 
 class FuseCallback(Callback):
@@ -243,9 +248,12 @@ class FuseCallback(Callback):
     def _compile_from_here(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
         """Eager refused a call of the network for its size (:class:`~lightning_fuse.guard.EagerRescue`): the fit
         goes on as one started with :data:`COMPILED_FROM_THE_START` would, from this step (and so do later fits)."""
+        rescue_s = self.fit.tracker.total_s  # the rescue's compile: the fit's compile time counts it
         self.fit.close()
         self.options = replace(self.options, **COMPILED_FROM_THE_START)
         self.on_fit_start(trainer, pl_module)
+        self.fit.tracker.total_s += rescue_s
+        self.fit.unmeasured = "eager refused a call of the network for its size; the fit ran compiled from then on"
         self.fit.begin_epoch(_batches_to_run(trainer), pl_module.device)
         rank_zero_warn(f"FuseCallback: eager refused a call of the network for its size ({reason}); it ran compiled "
                        f"instead, and the fit goes on as FuseCallback({arguments(COMPILED_FROM_THE_START)}) runs "

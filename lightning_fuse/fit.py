@@ -81,6 +81,7 @@ class FitState:
     decision: Decision | None = None
     dropped: str | None = None
     dropped_in_epoch: int | None = None
+    unmeasured: str | None = None  # why no eager step runs, where the fit learned it (verdict_line's ``unmeasured``)
     tracker: CompileTracker = field(default_factory=CompileTracker)
     hooks: FitHooks = field(default_factory=FitHooks)
     """What the fit puts on the model and on torch (:mod:`~lightning_fuse.hooks`), taken off by :meth:`close`."""

@@ -133,23 +133,24 @@ class EagerRescue:
     Installed in the network's compiled-call slot (where ``Module.compile`` installs its own) while FuseCallback
     runs it eagerly to record its inputs (the sanity check, the first steps): a call runs the plain network, and one
     that eager refuses (:func:`refused_for_size`) runs again, its running statistics put back as they were, through
-    ``torch.compile`` of the whole network with ``backend``, as do all later calls, out of the eager stance and any
-    dispatch mode (under one, dynamo runs the compiled function's plain code). :attr:`reason` then says why, and
-    FuseCallback trains on compiled from the start (:data:`~lightning_fuse.callback.COMPILED_FROM_THE_START`). Any
-    other error passes.
+    ``torch.compile(network, **compile_kwargs)``, as do all later calls, out of the eager stance and any dispatch
+    mode (under one, dynamo runs the compiled function's plain code). :attr:`reason` then says why, and FuseCallback
+    trains on compiled from the start (:data:`~lightning_fuse.options.COMPILED_FROM_THE_START`): given that plan's
+    ``torch.compile`` arguments, the rescue compiles what the plan then runs (dynamo reuses its code). Any other
+    error passes.
 
     Example::
 
         >>> net = torch.nn.Linear(2, 2)
-        >>> rescue = EagerRescue(net, backend="eager")
+        >>> rescue = EagerRescue(net, {"backend": "eager"})
         >>> rescue.install()
         >>> net(torch.ones(1, 2)).shape, rescue.reason
         (torch.Size([1, 2]), None)
         >>> rescue.uninstall()
     """
 
-    def __init__(self, network: torch.nn.Module, backend: str | Callable[..., Any]) -> None:
-        self.network, self.backend = network, backend
+    def __init__(self, network: torch.nn.Module, compile_kwargs: dict[str, Any]) -> None:
+        self.network, self.compile_kwargs = network, compile_kwargs
         self.reason: str | None = None
         """Why eager's call was refused (``None``: it never was)."""
         self._compiled: Callable[..., Any] | None = None
@@ -177,7 +178,7 @@ class EagerRescue:
             with torch.no_grad():  # as they were before the refused call: it runs again
                 for stat, saved in zip(stats, before, strict=True):
                     stat.copy_(saved)
-            self._compiled = torch.compile(compilable_call(self.network), backend=self.backend)
+            self._compiled = torch.compile(compilable_call(self.network), **self.compile_kwargs)
         try:
             with torch.compiler.set_stance("default"), compat.without_dispatch_modes():
                 return self._compiled(*args, **kwargs)

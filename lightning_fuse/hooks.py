@@ -78,15 +78,15 @@ class FitHooks:
     @classmethod
     def install(cls, network: nn.Module, pl_module: pl.LightningModule, precision: Precision,
                 on_failure: Callable[[str], bool], pad_buckets: Sequence[int] | None,
-                rescue_backend: str | Callable[..., Any] | None = None) -> FitHooks:  # fmt: skip
+                rescue_compile: dict[str, Any] | None = None) -> FitHooks:  # fmt: skip
         """Put a fit's hooks on: ``use_cache=False`` and the input recorder on ``network``, eager ``generate``, the
         backward guard and the state watch on ``pl_module`` (``on_failure``: the plan dropped or handed over,
         :meth:`~lightning_fuse.fit.FitState.fail_plan`; a redone step runs in ``precision``'s autocast and loss
-        scale), the buckets where ``pad_buckets`` are given, and the rescue of eager's refusals where a
-        ``rescue_backend`` is (:class:`~lightning_fuse.guard.EagerRescue`)."""
+        scale), the buckets where ``pad_buckets`` are given, and the rescue of eager's refusals where its
+        ``torch.compile`` arguments, ``rescue_compile``, are given (:class:`~lightning_fuse.guard.EagerRescue`)."""
         hooks = cls(buckets=PadToBuckets(pad_buckets) if pad_buckets else None)
-        if rescue_backend is not None:
-            hooks.rescue = EagerRescue(network, rescue_backend)
+        if rescue_compile is not None:
+            hooks.rescue = EagerRescue(network, rescue_compile)
             hooks.rescue.install()
         hooks.no_cache = NoCacheInTraining(network)
         hooks.no_cache.install()

@@ -134,7 +134,7 @@ def verdict(fit: FitState, history: list[dict[str, Any]]) -> str:
                         eager_steps=fit.schedule.eager_steps,
                         reference_steps=len(fit.pool.samples),
                         reference_cost=fit.reference_cost, steps=fit.steps,
-                        shortfall=fit.plan_shortfall())  # fmt: skip
+                        shortfall=fit.plan_shortfall(), unmeasured=fit.unmeasured)  # fmt: skip
 
 
 def _measures_only(fit: FitState) -> bool:

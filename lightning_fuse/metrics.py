@@ -229,7 +229,7 @@ def verdict_line(plan: str, history: Sequence[Row], compile_s: float, *, break_e
                  dropped: str | None = None, dropped_in_epoch: int | None = None, device_type: str = "cuda",
                  eager_steps: int | None = None, reference_steps: int | None = None,
                  reference_cost: float | None = None, steps: int | None = None,
-                 shortfall: str | None = None) -> str:  # fmt: skip
+                 shortfall: str | None = None, unmeasured: str | None = None) -> str:  # fmt: skip
     """The run in one line: how much faster, with what, and what it cost.
 
     Args:
@@ -249,6 +249,8 @@ def verdict_line(plan: str, history: Sequence[Row], compile_s: float, *, break_e
         reference_cost: The reference's share of the fit's training time, named above :data:`REFERENCE_BUDGET`.
         steps: The training steps the fit ran: a ``break_even_step`` past them is said to be still to come.
         shortfall: What of the plan did not happen (``"its graph not captured"``), said beside its name.
+        unmeasured: Why no eager step ran, where the fit knows more than ``eager_steps`` says (e.g. eager refused a
+            call of the network for its size).
 
     Example::
 
@@ -269,7 +271,7 @@ def verdict_line(plan: str, history: Sequence[Row], compile_s: float, *, break_e
     point, low, high = pooled_speedup([row for row in history if row.get(PLAN_KEY, plan) == plan])
     plan += f" ({shortfall})" if shortfall else ""
     if point is None:
-        why = "eager_steps=0" if eager_steps == 0 else "no eager reference step was timed"
+        why = unmeasured or ("eager_steps=0" if eager_steps == 0 else "no eager reference step was timed")
         return f"FuseCallback: ran {plan}; speedup not measured ({why}); {cost}"
     text, low_text, high_text = _numbers(point, low, high)
     notes = _reference_notes(reference_steps, reference_cost, eager_steps)

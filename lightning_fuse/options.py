@@ -37,6 +37,9 @@ MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagrap
 """torch.compile's modes, the values of ``mode`` beside ``"auto"``."""
 GRAPHING_MODES = ("reduce-overhead", "max-autotune")
 """torch.compile modes that record torch's own CUDA graphs, one per input shape."""
+COMPILED_FROM_THE_START = {"mode": "reduce-overhead", "targets": "full", "eager_steps": 0, "verify": False}
+"""FuseCallback's arguments for a model that runs compiled but not eagerly: the whole network compiled at the first
+step, no eager reference, no region's first output checked against eager."""
 LIMIT_ACTIONS = ("eager", "dynamic")
 """What ``on_recompile_limit`` may do with a region past its limit."""
 RECOMPILE_LIMIT = 8

@@ -35,7 +35,7 @@ from lightning_fuse.cache import CompileCache, cache_key
 from lightning_fuse.fit import FitState
 from lightning_fuse.hooks import FitHooks
 from lightning_fuse.measurement import start_measuring
-from lightning_fuse.options import AUTO, GRAPHING_MODES, FuseOptions
+from lightning_fuse.options import AUTO, COMPILED_FROM_THE_START, GRAPHING_MODES, FuseOptions
 from lightning_fuse.plan import Plan, Regions, Setting, UserCompiled, UserCompiledGraph, candidates, fit_setting
 from lightning_fuse.regions import format_plan
 
@@ -70,8 +70,9 @@ def start_fit(options: FuseOptions, pl_module: pl.LightningModule, *, world_size
     fit.warmup = options.warmup_steps if options.warmup_steps is not None else 3 if graphs else 1
     fit.optimizer_graph = options.optimizer_graph
     fit.tracker.install()
+    rescue = replace(setting.options, mode=COMPILED_FROM_THE_START["mode"]).kwargs()  # the plan it hands over to
     fit.hooks = FitHooks.install(setting.target[1], pl_module, precision, fit.fail_plan, options.pad_buckets,
-                                 rescue_backend=options.backend if world_size == 1 else None)  # fmt: skip
+                                 rescue_compile=rescue if world_size == 1 else None)  # fmt: skip
     fit.hooks.raise_recompile_limit(len(setting.regions), options.recompile_limit,
                                     [region.module for region in setting.regions] + [setting.target[1]])
     setting.policy.as_called = fit.hooks.no_cache.as_called

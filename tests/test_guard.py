@@ -300,7 +300,7 @@ def test_a_call_eager_refuses_for_its_size_runs_compiled_and_counts_once():
     from torch.utils.flop_counter import FlopCounterMode
 
     net = RefusedWhenEager()
-    rescue = EagerRescue(net, backend="aot_eager")
+    rescue = EagerRescue(net, {"backend": "aot_eager"})
     rescue.install()
     batch = torch.randn(4, 2) + 3
     with torch.compiler.set_stance("force_eager"), FlopCounterMode(display=False):  # as FuseCallback's eager steps
@@ -319,7 +319,7 @@ def test_a_call_eager_refuses_for_its_size_runs_compiled_and_counts_once():
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
 def test_an_error_of_the_compiled_call_says_eager_had_refused_one():
     net = RefusedWhenEager()
-    rescue = EagerRescue(net, backend="aot_eager")
+    rescue = EagerRescue(net, {"backend": "aot_eager"})
     rescue.install()
     net(torch.randn(4, 2))  # refused eagerly, run compiled
     with pytest.raises(RuntimeError) as raised:
@@ -331,7 +331,7 @@ def test_an_error_of_the_compiled_call_says_eager_had_refused_one():
 
 def test_an_error_that_is_not_a_size_limit_passes_the_rescue():
     net = RefusedWhenEager("mat1 and mat2 shapes cannot be multiplied")
-    rescue = EagerRescue(net, backend="aot_eager")
+    rescue = EagerRescue(net, {"backend": "aot_eager"})
     rescue.install()
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         net(torch.randn(4, 2))

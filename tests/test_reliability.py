@@ -21,8 +21,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_fuse import FuseCallback, compat, gpu
-from lightning_fuse.callback import COMPILED_FROM_THE_START, arguments
+from lightning_fuse.callback import arguments
 from lightning_fuse.meters import GpuMeters
+from lightning_fuse.options import COMPILED_FROM_THE_START
 from tests.fake_nvml import FakeNvml
 from tests.faults import (
     BLOCKS,
@@ -320,19 +321,36 @@ def test_a_model_that_runs_only_compiled_is_told_how_to_train_and_trains_so(recw
     assert len(task.losses) == 80 and all(map(math.isfinite, task.losses))
 
 
+class RescueProbe(Callback):
+    """The rescue's ``torch.compile`` arguments and the compile time counted when it was first seen to have run."""
+
+    def __init__(self, fuse: FuseCallback) -> None:
+        self.fuse, self.compile_kwargs, self.rescue_s = fuse, None, None
+
+    def on_train_batch_start(self, *_) -> None:
+        rescue = self.fuse.fit.hooks.rescue
+        if self.compile_kwargs is None and rescue is not None and rescue.reason is not None:
+            self.compile_kwargs, self.rescue_s = rescue.compile_kwargs, self.fuse.fit.tracker.total_s
+
+
 @pytest.mark.parametrize("sanity_steps", [1, 0], ids=["in-the-sanity-check", "at-the-first-step"])
 def test_a_call_eager_refuses_for_its_size_runs_compiled_and_the_fit_trains_on_compiled(recwarn, sanity_steps):
     task = seeded_task(samples=640)
     task.model = CompiledOnlyNet(message="upsample_bilinear2d_nhwc only supports output tensors with less than "
                                          "INT_MAX elements")  # fmt: skip
     fuse = FuseCallback(backend="aot_eager", cache_dir=False)
-    fit(task, [fuse], num_sanity_val_steps=sanity_steps)
+    probe = RescueProbe(fuse)
+    fit(task, [probe, fuse], num_sanity_val_steps=sanity_steps)  # the probe's hook first: it sees the rescue
     assert len(task.losses) == 80 and all(map(math.isfinite, task.losses))
+    assert probe.compile_kwargs["mode"] == COMPILED_FROM_THE_START["mode"], "as the plan it hands over to compiles"
+    assert probe.compile_kwargs["backend"] == "aot_eager"
+    assert 0 < probe.rescue_s <= fuse.tracker.total_s, "the fit's compile time counts the rescue's"
     rescued = messages(recwarn, "eager refused a call of the network for its size")
     assert len(rescued) == 1 and "INT_MAX" in rescued[0] and arguments(COMPILED_FROM_THE_START) in rescued[0]
     assert not messages(recwarn, "where the network ran eagerly")
     assert fuse.options.eager_steps == 0 and fuse.plan is not None and fuse.plan.modules()  # compiled to the end
     assert compat.compiled_call_impl(task.model) is None  # and plain again after the fit
+    assert "not measured (eager refused a call of the network for its size; the fit ran compiled" in fuse.verdict
 
 
 @pytest.mark.parametrize("damage", ["truncated", "foreign"])
