@@ -1,4 +1,5 @@
-"""Is FuseCallback's logged speedup honest, and what does its eager reference cost? Five fits in one process.
+"""Is FuseCallback's logged speedup honest, and what does its eager reference cost? Five fits in one process (six
+with ``--eager-control``).
 
 For each model, batch and epoch length: an eager-only fit, a ``FuseCallback()`` fit, another eager-only fit, a
 ``FuseCallback(eager_steps=0)`` fit and a ``FuseCallback`` fit with a dense reference (:data:`DENSE`), each of
@@ -28,11 +29,14 @@ see a 3% difference in host-bound eager steps, so the dense fit measures the sam
 (``eager_ratio_dense``, with its interval, and ``eager_ratio_by_position``: the same ratio for the first timed step
 of each chunk after its lead-in, for the second, and so on), and
 ``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
-of one process agree. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main
-thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_in_run`` and
+of one process agree, with a ``FuseCallback()`` fit between them. With ``--eager-control`` a third eager-only fit
+runs first, before any compiled work, and ``eager_control_ratio`` is the first one's median step over it: two plain
+eager fits with nothing between them, so that a slower eager after compiled work (the process's state) tells
+from the machine's drift over the same minutes. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the
+same ratio of the main thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_in_run`` and
 ``eager_cpu_ratio_dense``: the reference steps', of every epoch, over the eager-only fits', of the last;
 ``eager_cpu_by_position`` as ``eager_ratio_by_position``),
-``spin_ms_by_fit`` the host's speed for Python just before each of the five fits, in their order, and after the
+``spin_ms_by_fit`` the host's speed for Python just before each fit, in their order, and after the
 last (:func:`harness.host_spin_ms`), and ``switches_by_fit`` how often a step of each lost its core to another
 thread or process (involuntary context switches per step). ``--host-spins`` reads the same spin inside the fits
 (:class:`HostSpins`): at the lead-in of every reference chunk and at every :data:`SPIN_EVERY`-th batch, so that
@@ -75,7 +79,8 @@ FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_l
           "eager_ratio_in_run",
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
-          "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense", "eager_cpu_by_position",
+          "eager_control_ratio", "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense",
+          "eager_cpu_by_position",
           "reference_ms", "reference_sizes", "dense_ms", "dense_sizes", "plan_step_ms", "spin_ms_by_fit",
           "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
           "eager_by_spin", "plan_by_spin", "reference_by_spin", "dense_by_spin", "switches_by_fit", "reference_age",
@@ -292,10 +297,11 @@ def steps_of(fits: dict[str, dict], name: str, epoch: int) -> list[float]:
 
 
 def measure(spec: dict) -> dict:
-    """The five fits, in one process; the last epoch of each counts."""
+    """The five fits (six with ``eager_control``), in one process; the last epoch of each counts."""
     epochs, steps = spec["epochs"], spec["epoch_steps"]
+    control = [("eager_0", "eager", {})] if spec.get("eager_control") else []
     fits = {}
-    for name, variant, fuse_kw in (("eager_1", "eager", {}), ("fuse", "fuse", {}), ("eager_2", "eager", {}),
+    for name, variant, fuse_kw in (*control, ("eager_1", "eager", {}), ("fuse", "fuse", {}), ("eager_2", "eager", {}),
                                    ("fuse_0", "fuse", {"eager_steps": 0}), ("fuse_dense", "fuse", DENSE)):  # fmt: skip
         task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps,
                                     fused=spec.get("optimizer", "fused") == "fused")
@@ -331,6 +337,7 @@ def measure(spec: dict) -> dict:
         "eager_ratio_dense": ratio_of_medians(dense, eager), "eager_ratio_dense_low": dense_low,
         "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
+        "eager_control_ratio": ratio_of_medians(last["eager_1"], last["eager_0"]) if control else None,
         "eager_fits_cpu_ratio": ratio_of_medians(cpu["eager_2"], cpu["eager_1"]),
         "eager_cpu_ratio_in_run": ratio_of_medians(reference_cpu_ms(fits["fuse"], steps)[0], eager_cpu),
         "eager_cpu_ratio_dense": ratio_of_medians(dense_cpu, eager_cpu),
@@ -396,8 +403,29 @@ reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
          f"within 3% of each other in {sum(map(_within_3_percent, floors))} of the {len(floors)} that record it); "
          f"half-width <= 5% on 200- and "
          f"1000-step epochs {sum(w <= 0.05 for w in widths)} of {len(widths)}; reference cost <= 2% on 1000-step "
-         f"epochs {sum(c <= 0.02 for c in costs)} of the {len(costs)} that record it."),
+         f"epochs {sum(c <= 0.02 for c in costs)} of the {len(costs)} that record it.{_control(judged)}"),
     ])  # fmt: skip
+
+
+def _control(judged: list[tuple]) -> str:
+    """What the ``--eager-control`` records say: two plain eager fits with nothing between them, against two with a
+    ``FuseCallback()`` fit between them, as medians over the cases that record both.
+
+    Example::
+
+        >>> rows = [{"eager_control_ratio": 1.01, "eager_fits_ratio": 1.05}, {"eager_control_ratio": 0.99}]
+        >>> _control([(None, row) for row in rows])
+        ' Two plain eager fits with nothing between them: median 1.01, within 3% in 1 of 1; with a FuseCallback() \
+fit between them, in the same cases: median 1.05.'
+    """
+    pairs = [(r["eager_control_ratio"], r["eager_fits_ratio"]) for _, r, *_ in judged
+             if r.get("eager_control_ratio") is not None and r.get("eager_fits_ratio") is not None]
+    if not pairs:
+        return ""
+    control, across = zip(*pairs)
+    return (f" Two plain eager fits with nothing between them: median {statistics.median(control):.2f}, within 3% "
+            f"in {sum(map(_within_3_percent, control))} of {len(control)}; with a FuseCallback() fit between them, "
+            f"in the same cases: median {statistics.median(across):.2f}.")
 
 
 def by_epoch(records: list[dict]) -> str:
@@ -475,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--optimizer", choices=("fused", "default"), default="fused",
                    help="AdamW(fused=True), or AdamW() with torch's choice (foreach on CUDA), as most users write it")
     p.add_argument("--host-spins", action="store_true", help="read the host's speed inside the fits (HostSpins)")
+    p.add_argument("--eager-control", action="store_true",
+                   help="a plain eager fit first, before any compiled work (eager_control_ratio)")
     p.add_argument("--coverage", type=Path, help="print the issue's checks over these records (coverage), and stop")
     args = p.parse_args(argv)
     if args.coverage:
@@ -486,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             print(epochs)
         return 0
     groups = [[{"model": model, "batch_size": batch, "epoch_steps": int(steps), "epochs": args.epochs,
-                "optimizer": args.optimizer, "host_spins": args.host_spins, "smoke": args.smoke}]
+                "optimizer": args.optimizer, "host_spins": args.host_spins, "eager_control": args.eager_control,
+                "smoke": args.smoke}]
               for model, batch in models.regimes(args) for steps in args.epoch_steps.split(",")]
     return harness.run(args, "telemetry.py", measure, FIELDS, groups)
 
