@@ -218,7 +218,7 @@ class FuseCallback(Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int):
         rescue = self.fit.hooks.rescue
-        if rescue is not None and rescue.reason is not None and self.fit.plan is None:
+        if rescue is not None and rescue.reason is not None:  # before the plan, or in a reference step
             self._compile_from_here(trainer, pl_module, rescue.reason)
         fit = self.fit
         fit.timer.start()  # this step's start is the last step's end
@@ -248,11 +248,11 @@ class FuseCallback(Callback):
     def _compile_from_here(self, trainer: pl.Trainer, pl_module: pl.LightningModule, reason: str) -> None:
         """Eager refused a call of the network for its size (:class:`~lightning_fuse.guard.EagerRescue`): the fit
         goes on as one started with :data:`COMPILED_FROM_THE_START` would, from this step (and so do later fits)."""
-        rescue_s = self.fit.tracker.total_s  # the rescue's compile: the fit's compile time counts it
+        compiled_s = self.fit.tracker.total_s  # the rescue's compile among them: the fit's compile time counts it
         self.fit.close()
         self.options = replace(self.options, **COMPILED_FROM_THE_START)
         self.on_fit_start(trainer, pl_module)
-        self.fit.tracker.total_s += rescue_s
+        self.fit.tracker.total_s += compiled_s
         self.fit.unmeasured = "eager refused a call of the network for its size; the fit ran compiled from then on"
         self.fit.begin_epoch(_batches_to_run(trainer), pl_module.device)
         rank_zero_warn(f"FuseCallback: eager refused a call of the network for its size ({reason}); it ran compiled "
@@ -455,7 +455,7 @@ def _below(speedup: float) -> str:
 def _ran_eagerly(where: str, exception: BaseException) -> str:
     """What to do where the fit raised while FuseCallback ran the network eagerly (``where``: its first steps, an
     eager reference step, or the sanity check): a model may run compiled where it cannot run eagerly (eager's
-    memory, or a kernel's limit that :class:`~lightning_fuse.guard.EagerRescue` did not meet before the plan).
+    memory, or a kernel's limit that :class:`~lightning_fuse.guard.EagerRescue` did not meet: several processes).
 
     Example::
 

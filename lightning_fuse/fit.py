@@ -204,8 +204,8 @@ class FitState:
 
     def _enter_eager(self, count_flops: bool) -> None:
         self.step_context.enter_context(torch.compiler.set_stance("force_eager"))  # anything compiled elsewhere
-        if self.plan is not None:
-            self.step_context.enter_context(self.plan.bypassed())
+        if self.plan is not None:  # a reference step
+            self.step_context.enter_context(self.hooks.eager_reference(self.plan.bypassed()))
         if count_flops:
             self.gpu.count_flops(self.step_context)
 

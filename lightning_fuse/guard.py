@@ -11,8 +11,9 @@ again where a plan took over), so the optimizer step that follows uses that plan
 optimization the step's backward is skipped instead (Lightning gives no point from which to redo a user's whole
 step); the plan search has already run every candidate's backward on the run's own inputs, so this is rare.
 
-Before the plan, the network runs eagerly, and an eager kernel may refuse a call for its size where compiled code
-would not: :class:`EagerRescue` runs such a call compiled, and FuseCallback trains on compiled from the start.
+Before the plan, and in the eager reference steps after it, the network runs eagerly, and an eager kernel may refuse
+a call for its size where compiled code would not: :class:`EagerRescue` runs such a call compiled, and FuseCallback
+trains on compiled from then on.
 
 Example::
 
@@ -29,8 +30,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -131,7 +132,8 @@ class EagerRescue:
     """Runs the network compiled where eager's kernels refuse a call of it for its size, before a plan is chosen.
 
     Installed in the network's compiled-call slot (where ``Module.compile`` installs its own) while FuseCallback
-    runs it eagerly to record its inputs (the sanity check, the first steps): a call runs the plain network, and one
+    runs it eagerly to record its inputs (the sanity check, the first steps), and in each eager reference step
+    (:meth:`installed`, the plan's modules bypassed): a call runs the plain network, and one
     that eager refuses (:func:`refused_for_size`) runs again, its running statistics put back as they were, through
     ``torch.compile(network, **compile_kwargs)``, as do all later calls, out of the eager stance and any dispatch
     mode (under one, dynamo runs the compiled function's plain code). :attr:`reason` then says why, and FuseCallback
@@ -164,6 +166,15 @@ class EagerRescue:
         if compat.compiled_call_impl(self.network) == self._call:
             compat.set_compiled_call_impl(self.network, None)
         self._compiled = None
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        """Inside it, the rescue is installed (an eager reference step, with the plan's modules bypassed)."""
+        self.install()
+        try:
+            yield
+        finally:
+            self.uninstall()
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled is None:

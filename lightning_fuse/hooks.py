@@ -23,7 +23,8 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -131,6 +132,13 @@ class FitHooks:
         left = max((compat.cache_entries(code) for code in codes if code is not None), default=0)
         wanted = min(256, left + (limit + 1) * max(1, regions))
         compat.set_dynamo_recompile_limit(max(self.saved_recompile_limit, wanted))
+
+    @contextmanager
+    def eager_reference(self, bypassed: AbstractContextManager[None]) -> Iterator[None]:
+        """An eager reference step: inside ``bypassed`` (the plan's modules run their plain call), with eager's
+        refusals of the network's call for its size rescued where the fit rescues them (:attr:`rescue`)."""
+        with bypassed, self.rescue.installed() if self.rescue is not None else nullcontext():
+            yield
 
     def set_plan_step(self, plan_step: bool, reference: bool = False) -> None:
         """The plan's steps (``plan_step``) run without the KV cache and, where the lengths vary, without cuDNN

@@ -322,29 +322,37 @@ def test_a_model_that_runs_only_compiled_is_told_how_to_train_and_trains_so(recw
 
 
 class RescueProbe(Callback):
-    """The rescue's ``torch.compile`` arguments and the compile time counted when it was first seen to have run."""
+    """The rescue's ``torch.compile`` arguments, the compile time counted and whether a plan ran, when the rescue
+    was first seen to have run."""
 
     def __init__(self, fuse: FuseCallback) -> None:
-        self.fuse, self.compile_kwargs, self.rescue_s = fuse, None, None
+        self.fuse, self.compile_kwargs, self.rescue_s, self.under_plan = fuse, None, None, None
 
     def on_train_batch_start(self, *_) -> None:
-        rescue = self.fuse.fit.hooks.rescue
-        if self.compile_kwargs is None and rescue is not None and rescue.reason is not None:
-            self.compile_kwargs, self.rescue_s = rescue.compile_kwargs, self.fuse.fit.tracker.total_s
+        fit = self.fuse.fit
+        if self.compile_kwargs is None and fit.hooks.rescue is not None and fit.hooks.rescue.reason is not None:
+            self.compile_kwargs, self.rescue_s = fit.hooks.rescue.compile_kwargs, fit.tracker.total_s
+            self.under_plan = fit.plan is not None
 
 
-@pytest.mark.parametrize("sanity_steps", [1, 0], ids=["in-the-sanity-check", "at-the-first-step"])
-def test_a_call_eager_refuses_for_its_size_runs_compiled_and_the_fit_trains_on_compiled(recwarn, sanity_steps):
-    task = seeded_task(samples=640)
-    task.model = CompiledOnlyNet(message="upsample_bilinear2d_nhwc only supports output tensors with less than "
-                                         "INT_MAX elements")  # fmt: skip
-    fuse = FuseCallback(backend="aot_eager", cache_dir=False)
+@pytest.mark.parametrize(
+    ("eager_calls", "fuse_kwargs", "sanity_steps"),
+    [(0, {}, 1), (0, {}, 0), (3, {"mode": "default", "targets": "full", "verify": False}, 0)],
+    ids=["in-the-sanity-check", "at-the-first-step", "in-a-reference-step"],
+)  # fmt: skip
+def test_a_call_eager_refuses_for_its_size_runs_compiled_and_the_fit_trains_on_compiled(recwarn, eager_calls,
+                                                                                        fuse_kwargs, sanity_steps):
+    task = seeded_task(samples=640)  # 40 steps an epoch: room for eager reference steps
+    task.model = CompiledOnlyNet(eager_calls, message="upsample_bilinear2d_nhwc only supports output tensors with "
+                                                      "less than INT_MAX elements")  # fmt: skip
+    fuse = FuseCallback(backend="aot_eager", cache_dir=False, **fuse_kwargs)
     probe = RescueProbe(fuse)
     fit(task, [probe, fuse], num_sanity_val_steps=sanity_steps)  # the probe's hook first: it sees the rescue
     assert len(task.losses) == 80 and all(map(math.isfinite, task.losses))
     assert probe.compile_kwargs["mode"] == COMPILED_FROM_THE_START["mode"], "as the plan it hands over to compiles"
     assert probe.compile_kwargs["backend"] == "aot_eager"
     assert 0 < probe.rescue_s <= fuse.tracker.total_s, "the fit's compile time counts the rescue's"
+    assert probe.under_plan == (eager_calls > 0), "the reference step's refusal came after the plan's activation"
     rescued = messages(recwarn, "eager refused a call of the network for its size")
     assert len(rescued) == 1 and "INT_MAX" in rescued[0] and arguments(COMPILED_FROM_THE_START) in rescued[0]
     assert not messages(recwarn, "where the network ran eagerly")
