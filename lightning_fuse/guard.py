@@ -156,6 +156,7 @@ class EagerRescue:
         self.reason: str | None = None
         """Why eager's call was refused (``None``: it never was)."""
         self._compiled: Callable[..., Any] | None = None
+        self._keeps_stats = True  # running statistics copied before each call, to put back after a refusal
 
     def install(self) -> None:
         """Take the network's compiled-call slot, unless something (the user's own compile) holds it already."""
@@ -169,16 +170,20 @@ class EagerRescue:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        """Inside it, the rescue is installed (an eager reference step, with the plan's modules bypassed)."""
+        """Inside it, the rescue is installed (an eager reference step, with the plan's modules bypassed), without the
+        copy of the running statistics before each call: one copy a buffer would slow the steps the reference times.
+        A refused call's updates of them before it raised then stay (a batch norm counts that call twice)."""
+        self._keeps_stats = False
         self.install()
         try:
             yield
         finally:
             self.uninstall()
+            self._keeps_stats = True
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         if self._compiled is None:
-            stats = self._running_stats()
+            stats = self._running_stats() if self._keeps_stats else []
             before = [stat.clone() for stat in stats]
             try:
                 return compat.call_uncompiled(self.network, *args, **kwargs)

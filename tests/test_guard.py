@@ -316,6 +316,16 @@ def test_a_call_eager_refuses_for_its_size_runs_compiled_and_counts_once():
     assert compat.compiled_call_impl(net) is None
 
 
+def test_in_a_reference_step_the_rescue_copies_no_statistics_and_is_taken_off_after_it():
+    net = RefusedWhenEager()
+    rescue = EagerRescue(net, {"backend": "aot_eager"})
+    with rescue.installed():  # as an eager reference step enters it
+        assert compat.compiled_call_impl(net) is not None
+        net(torch.randn(4, 2) + 3)
+    assert compat.compiled_call_impl(net) is None and "32-bit index" in rescue.reason
+    assert net.norm.num_batches_tracked.item() == 2, "no copy before the timed call: the refused call's update stays"
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes came in Python 3.11")
 def test_an_error_of_the_compiled_call_says_eager_had_refused_one():
     net = RefusedWhenEager()
