@@ -129,17 +129,18 @@ def refused_for_size(error: BaseException) -> bool:
 
 
 class EagerRescue:
-    """Runs the network compiled where eager's kernels refuse a call of it for its size, before a plan is chosen.
+    """Runs the network compiled where eager's kernels refuse a call of it for its size (before a plan is chosen,
+    and in the eager reference steps after it).
 
     Installed in the network's compiled-call slot (where ``Module.compile`` installs its own) while FuseCallback
     runs it eagerly to record its inputs (the sanity check, the first steps), and in each eager reference step
-    (:meth:`installed`, the plan's modules bypassed): a call runs the plain network, and one
-    that eager refuses (:func:`refused_for_size`) runs again, its running statistics put back as they were, through
-    ``torch.compile(network, **compile_kwargs)``, as do all later calls, out of the eager stance and any dispatch
-    mode (under one, dynamo runs the compiled function's plain code). :attr:`reason` then says why, and FuseCallback
-    trains on compiled from the start (:data:`~lightning_fuse.options.COMPILED_FROM_THE_START`): given that plan's
-    ``torch.compile`` arguments, the rescue compiles what the plan then runs (dynamo reuses its code). Any other
-    error passes.
+    (:meth:`installed`, the plan's modules bypassed): a call runs the plain network, and one that eager refuses
+    (:func:`refused_for_size`) runs again, its running statistics put back as they were (but in a reference step),
+    through ``torch.compile(network, **compile_kwargs)``, as do all later calls, out of the eager stance and any
+    dispatch mode (under one, dynamo runs the compiled function's plain code). :attr:`reason` then says why, and
+    FuseCallback trains on compiled from the start (:data:`~lightning_fuse.options.COMPILED_FROM_THE_START`): given
+    that plan's ``torch.compile`` arguments, the rescue compiles what the plan then runs (dynamo reuses its code).
+    Any other error passes.
 
     Example::
 

@@ -60,7 +60,8 @@ class FitHooks:
     generation: EagerGeneration | None = None
     guard: BackwardGuard | None = None
     rescue: EagerRescue | None = None
-    """Runs the network compiled where eager refuses a call for its size, until the plan is chosen (one process)."""
+    """Runs the network compiled where eager refuses a call for its size, until the plan is chosen and in its eager
+    reference steps (one process)."""
     attention: NoCudnnAttention = field(default_factory=NoCudnnAttention)
     """cuDNN attention off in the plan's steps and the eager reference's, where the lengths vary."""
     cache: CompileCache | None = None
