@@ -7,8 +7,9 @@ in forward or in backward), times them with one clock, and uninstalls it. Every 
 :func:`sandbox`: gradients, buffers and RNG states are as before when the search ends, so training goes on as if
 nothing had run. A candidate that raises, whose graph was not captured, or whose loss or gradients differ from
 eager's, is dropped with its reason; a candidate is not tried when one that does all it does and more already ran
-faster than eager. A candidate beats the baseline (eager) only when it is clearly faster (:func:`clearly_faster`):
-where the host's noise hides the difference, switching would be a gamble, and the baseline is kept. A candidate
+faster than eager, or one that runs its kernels under graphs was timed at all. A candidate beats the baseline
+(eager) only when it is clearly faster (:func:`clearly_faster`): where the host's noise hides the difference,
+switching would be a gamble, and the baseline is kept. A candidate
 whose median is ahead but not clearly is tried once more, and the second trial decides: one slow call among its
 few (a CUDA graph recorded a call late, say) is enough to turn the test. With several processes every rank
 measures, a candidate that fails on any rank is dropped on all, and rank zero's timings decide
@@ -221,9 +222,8 @@ class PlanSearch:
 
     def _beats_baseline(self, trial: Trial, trials: list[Trial]) -> bool:
         baseline = trials[0]
-        if baseline.ms is None or trial.ms is None:
-            return False
-        return clearly_faster(self._times[trial.name], self._times[baseline.name])
+        measured = baseline.ms is not None and trial.ms is not None
+        return measured and clearly_faster(self._times[trial.name], self._times[baseline.name])
 
     def _skip_reason(self, plan: Plan, trials: list[Trial]) -> str | None:
         if plan.tried_after is not None and not any(
@@ -232,6 +232,8 @@ class PlanSearch:
             ran = any(t.name == plan.tried_after for t in trials)
             return f"a fallback for {plan.tried_after}, which {'did not fail' if ran else 'was left out'}"
         for trial in trials:
+            if trial.name in plan.same_kernels_as and trial.ms is not None:
+                return f"{trial.name} ran its kernels under a graph already ({trial.ms:.2f} ms)"
             if trial.name in plan.dominated_by and self._beats_baseline(trial, trials):
                 self._skipped_for[plan.name] = trial.name
                 return f"{trial.name} does what it does and ran faster than eager"
@@ -266,8 +268,7 @@ class PlanSearch:
                 failure, times = self._measure(plan, call)
         if not self.consensus.agree(failure is None):
             return Trial(plan.name, outcome=f"failed: {failure or 'it failed on another rank'}")
-        self._times[plan.name] = self.consensus.share(times)
-        times = self._times[plan.name]
+        times = self._times[plan.name] = self.consensus.share(times)
         return Trial(plan.name, statistics.median(times), slowest=max(times))
 
     def _measure(self, plan: Plan, call: Callable[[], None]) -> tuple[str | None, list[float] | None]:

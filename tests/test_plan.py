@@ -124,8 +124,8 @@ def test_whole_network_candidate_is_not_repeated_when_the_regions_are_the_whole_
     assert [p.name for p in candidates(setting)] == ["eager", "regions"]
     on_cuda = {p.name: p for p in candidates(replace(setting, device=CUDA))}
     assert list(on_cuda) == ["eager", "regions+graph", "reduce-overhead", "graph", "regions"]
-    # regions+graph is then one graph over the whole network compiled: reduce-overhead need not compile it again
-    assert "regions+graph" in on_cuda["reduce-overhead"].dominated_by
+    # regions+graph is then one graph over the whole network compiled: reduce-overhead's kernels under one graph
+    assert "regions+graph" in on_cuda["reduce-overhead"].same_kernels_as
 
 
 def test_explicit_settings_force_one_plan_and_refuse_a_graph_with_several_processes_but_ddps():
