@@ -5,21 +5,20 @@ After the fit's first eager steps, :class:`PlanSearch` installs each candidate p
 on the inputs the last training step gave it (the first compile and capture happen here, and so does any failure,
 in forward or in backward), times them with one clock, and uninstalls it. Every trial runs inside
 :func:`sandbox`: gradients, buffers and RNG states are as before when the search ends, so training goes on as if
-nothing had run. A candidate that raises, whose graph was not captured, or whose loss or gradients differ from
-eager's, is dropped with its reason; a candidate is not tried when one that does all it does and more already ran
-faster than eager, or one that runs its kernels under graphs was timed at all. A candidate beats the baseline
-(eager) only when it is clearly faster (:func:`clearly_faster`): where the host's noise hides the difference,
-switching would be a gamble, and the baseline is kept. A candidate
-whose median is ahead but not clearly is tried once more, and the second trial decides: one slow call among its
-few (a CUDA graph recorded a call late, say) is enough to turn the test. With several processes every rank
-measures, a candidate that fails on any rank is dropped on all, and rank zero's timings decide
-(:class:`Consensus`). When the other candidates are done, the baseline is timed once more (``eager again``): how far
-the machine's own speed moved while the others were tried. Where it moved by more than :data:`DRIFT_LIMIT`, the
-comparisons with the first timing are void, and each timed candidate is timed again between two timings of the
-baseline (``side by side``; not one slower than both by more than :data:`OUT_OF_REACH`): the winner is the candidate
-clearly faster than the baseline around it by the largest factor, or the baseline. Either way a candidate wins over
-one tried before it (more promising) only where its own calls ran clearly faster than that one's. The decision can
-be stored with the compile cache, so a warm run goes straight to the winner (:mod:`~lightning_fuse.decision`).
+nothing had run. A candidate that raises, whose graph was not captured, or whose loss or gradients differ from eager's,
+is dropped with its reason; a candidate is not tried when one that does all it does and more already ran faster than
+eager, or one that runs its kernels under graphs was timed at all. A candidate beats the baseline (eager) only when it
+is clearly faster (:func:`clearly_faster`): where the host's noise hides the difference, switching would be a gamble,
+and the baseline is kept. A candidate whose median is ahead but not clearly is tried once more, and the second trial
+decides: one slow call among its few (a CUDA graph recorded a call late, say) is enough to turn the test. With several
+processes every rank measures, a candidate that fails on any rank is dropped on all, and rank zero's timings decide
+(:class:`Consensus`). When the other candidates are done, the baseline is timed once more (``eager again``): how far the
+machine's own speed moved while the others were tried. Where it moved by more than :data:`DRIFT_LIMIT`, the comparisons
+with the first timing are void, and each timed candidate is timed again between two timings of the baseline
+(``side by side``; not one slower than both by more than :data:`OUT_OF_REACH`): the winner is the candidate clearly
+faster than the baseline around it by the largest factor, or the baseline. Either way a candidate wins over one tried
+before it (more promising) only where its own calls ran clearly faster than that one's. The decision can be stored
+with the compile cache, so a warm run goes straight to the winner (:mod:`~lightning_fuse.decision`).
 
 Example::
 
