@@ -317,7 +317,7 @@ class CompileTracker:
 
     def _on_start(self, *_: Any) -> None:
         self._started = time.perf_counter()
-        self._breaks_before = Counter(dynamo_counters()["graph_break"])
+        self._breaks_before = _graph_breaks()
 
     def _on_end(self, callback_args: Any = None) -> None:
         elapsed = time.perf_counter() - self._started if self._started is not None else 0.0
@@ -334,7 +334,7 @@ class CompileTracker:
         name, mode_seen = self._current
         stats = self.stats(name)
         stats.compile_s += elapsed
-        new_breaks = Counter(dynamo_counters()["graph_break"]) - self._breaks_before
+        new_breaks = _graph_breaks() - self._breaks_before
         stats.graph_breaks += sum(new_breaks.values())
         _extend_capped(stats.break_reasons, new_breaks, self._MAX_REASONS)
         stats.compiles += 1
@@ -350,6 +350,23 @@ class CompileTracker:
         return list(metrics[start:])
 
 
+def _graph_breaks() -> Counter[str]:
+    """Dynamo's graph breaks so far, with the graphs a backend compiler refused: dynamo runs such a graph
+    uncompiled ("Adding a graph break") and counts it apart, as unimplemented, in one message of many lines."""
+    counters = dynamo_counters()
+    refused = Counter({_refusal(key): n for key, n in counters["unimplemented"].items()
+                       if key.startswith("Backend compiler exception")})  # fmt: skip
+    return Counter(counters["graph_break"]) + refused
+
+
+def _refusal(message: str) -> str:
+    """A refused graph's reason in one line: dynamo's explanation and the last frame of its traceback."""
+    explanation = re.search(r"Explanation: (.*)", message)
+    frames = re.findall(r'File "(?:.*/)?([^"/]+)", line (\d+), in (\S+)', message)
+    where = f" (at {frames[-1][0]}:{frames[-1][1]}, in {frames[-1][2]})" if frames else ""
+    return (explanation.group(1) if explanation else message.splitlines()[0]) + where
+
+
 def _recompile_reasons(metrics: Sequence[Any]) -> list[str]:
     reasons = [m.recompile_reason for m in metrics if m.recompile_reason]
     return reasons or ["a guard failed (dynamo recorded no reason; run with TORCH_LOGS=recompiles)"]
@@ -358,6 +375,11 @@ def _recompile_reasons(metrics: Sequence[Any]) -> list[str]:
 def explain_graph_break(reason: str) -> str:
     """A one-line fix for the most common graph-break causes."""
     text = reason.lower()
+    if "backend compiler" in text:
+        return ("the compiler refused the graph: it runs uncompiled and is refused again in every run, warm starts "
+                "too. Usual cause: a value read (.item(), .tolist()) in a custom backward, as transformers 5.17's MoE "
+                "grouped-mm fallback does (expert weights not in bf16; 5.24's is a custom op): upgrade transformers "
+                "or keep the experts in bf16")
     if "data-dependent" in text or "data dependent" in text or ".item()" in text or "tensor.item" in text:
         return "data-dependent control flow or .item(): keep values as tensors (torch.where) or move it out"
     if "print" in text or "logging" in text or "log(" in text:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_fuse import FuseCallback
-from lightning_fuse.shapes import CompileTracker, DynamicDims, RegionCompiles, warn_recompile
+from lightning_fuse.shapes import CompileTracker, DynamicDims, RegionCompiles, explain_graph_break, warn_recompile
 from tests.toy import ToyTask, trainer
 from tests.user_models import SequenceNet, VariableLengthTask
 
@@ -169,6 +169,28 @@ def test_graph_breaks_are_counted_per_region_logged_and_explained(caplog):
     assert stats.graph_breaks >= 1 and stats.break_reasons
     assert fuse.history[0]["fuse/graph_breaks"] >= 1
     assert "model.blocks.0 graph break" in caplog.text and "fix:" in caplog.text
+
+
+def test_a_graph_the_backend_refuses_counts_as_a_graph_break_with_its_place_and_the_cost_of_every_run():
+    """Inductor refusing a graph (a value read in a custom backward: transformers 5.17's MoE grouped-mm fallback on
+    an H200's Mixtral, 21 times a fit) makes dynamo run it uncompiled, counted apart from its graph breaks."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    def refusing(gm, example_inputs):
+        raise DataDependentOutputException(torch.ops.aten._local_scalar_dense.default)
+
+    tracker = CompileTracker()
+    tracker.install()
+    try:
+        with tracker.calling("block", (True, True, False)):
+            torch.compile(nn.Linear(3, 3), backend=refusing)(torch.ones(2, 3))
+    finally:
+        tracker.remove()
+    stats = tracker.stats("block")
+    assert (stats.compiles, stats.graph_breaks) == (1, 1)
+    reason = stats.break_reasons[0]
+    assert "Backend compiler `refusing` failed with aten._local_scalar_dense" in reason and "(at " in reason
+    assert "refused again in every run" in explain_graph_break(reason)
 
 
 def test_only_dynamo_compiles_count_a_lazy_backward_adds_time_and_a_cudagraph_recording_counts_apart():
