@@ -893,6 +893,21 @@ def test_by_epoch_lists_only_long_fits_and_leaves_unlogged_epochs_blank() -> Non
     assert rows[3] == "| gpt | 8 | 200 | fused | 0.5% | 0.5% | 0.5% | 0.5% |", "under 1%: one decimal"
 
 
+def test_coverage_reads_the_reference_cost_from_the_newest_record_without_in_fit_spins() -> None:
+    import telemetry
+
+    case = {"model": "gpt", "batch_size": 8, "epoch_steps": 1000, "logged": 7.0, "logged_low": 6.0,
+            "logged_high": 8.0, "independent": 7.1}  # fmt: skip
+    plain = {**case, "reference_cost_in_run": 0.016, "reference_by_spin": []}
+    spun = {**case, "reference_cost_in_run": 0.026, "reference_by_spin": [[4.0, 19.4]]}
+    table = telemetry.coverage([plain, spun]).splitlines()
+    assert table[2].endswith("| 2.6%† |"), "the newest record's row, its cost marked as counting the spins"
+    assert "reference cost <= 2% on 1000-step epochs 1 of the 1 that record it" in table[-1], "the older one's 1.6%"
+    assert table[-1].endswith("the check reads the case's newest record without them.")
+    assert "of the 0 that record it" in telemetry.coverage([spun]).splitlines()[-1], "spun alone: no cost to read"
+    assert "†" not in telemetry.coverage([plain]), "nothing spun, no mark"
+
+
 def test_markov_text_has_the_chains_structure_and_only_causal_lms_take_it() -> None:
     import models
 
