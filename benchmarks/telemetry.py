@@ -1,5 +1,5 @@
-"""Is FuseCallback's logged speedup honest, and what does its eager reference cost? Five fits in one process (six
-with ``--eager-control``).
+"""Is FuseCallback's logged speedup honest, and what does its eager reference cost? Five fits in one process (one more
+with each of ``--eager-control`` and ``--reset-control``).
 
 For each model, batch and epoch length: an eager-only fit, a ``FuseCallback()`` fit, another eager-only fit, a
 ``FuseCallback(eager_steps=0)`` fit and a ``FuseCallback`` fit with a dense reference (:data:`DENSE`), each of
@@ -32,8 +32,12 @@ of each chunk after its lead-in, for the second, and so on), and
 of one process agree, with a ``FuseCallback()`` fit between them. With ``--eager-control`` a third eager-only fit
 runs first, before any compiled work, and ``eager_control_ratio`` is the first one's median step over it: two plain
 eager fits with nothing between them, so that a slower eager after compiled work (the process's state) tells
-from the machine's drift over the same minutes. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the
-same ratio of the main thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_in_run`` and
+from the machine's drift over the same minutes. With ``--reset-control`` one more eager-only fit runs right after
+the second, once the process has let go of its compiled state (:func:`release_compiled_state`), and
+``eager_reset_ratio`` (``eager_reset_cpu_ratio``: of CPU time) is its median step over the second's: whether what the
+process holds after compiled work slows plain eager, from two fits one moment of the host apart. Whether the host
+made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main thread's CPU time per step (what each step
+asked of the host; ``eager_cpu_ratio_in_run`` and
 ``eager_cpu_ratio_dense``: the reference steps', of every epoch, over the eager-only fits', of the last;
 ``eager_cpu_by_position`` as ``eager_ratio_by_position``),
 ``spin_ms_by_fit`` the host's speed for Python just before each fit, in their order, and after the
@@ -44,25 +48,27 @@ thread or process (involuntary context switches per step). ``--host-spins`` read
 ``spin_ms_plan`` (its plan's steps, last epoch) and ``spin_ms_eager`` (the eager-only fits', last epoch) tell a
 slower host at the reference's moments from a cost of the switch (the spins add a few ms to the fits' time, the
 lead-ins' to the reference's own, so neither ``reference_cost`` nor ``reference_cost_in_run`` is read from such a
-record: ``--coverage`` takes a case's cost from its newest record without them). Reading by reading, ``eager_by_spin`` pairs each spin of the
-eager-only fits' last epoch with the median step of its :data:`SPIN_EVERY` batches, ``plan_by_spin`` the same for
-the ``eager_steps=0`` fit, and ``reference_by_spin``/``dense_by_spin`` each reference chunk's lead-in spin with
-the median of the chunk's timed steps (``[spin ms, step ms]`` pairs): whether a chunk ran slower than plain eager
-at the same speed of the host. ``allocs_per_step`` (CUDA) is the mean ``cudaMalloc`` calls a step of the reference
-steps, their lead-ins, the dense fit's reference steps, the eager-only fits' and the plan's (:func:`allocs_per_step`):
-whether the reference meets memory the allocator had not cached, which plain eager steps would not;
-``reference_allocs`` and ``lead_in_allocs`` are the ``FuseCallback()`` fit's own, step by step in batch order
-(``reference_allocs`` beside ``reference_ms``), to tell whether the lead-in took the switch's allocations or the
-timed steps after it still met new sizes. On the GPU:
+record: ``--coverage`` takes a case's cost from its newest record without them). Reading by reading,
+``eager_by_spin`` pairs each spin of the eager-only fits' last epoch with the median step of its :data:`SPIN_EVERY`
+batches, ``plan_by_spin`` the same for the ``eager_steps=0`` fit, and ``reference_by_spin``/``dense_by_spin`` each
+reference chunk's lead-in spin with the median of the chunk's timed steps (``[spin ms, step ms]`` pairs): whether a
+chunk ran slower than plain eager at the same speed of the host. ``allocs_per_step`` (CUDA) is the mean
+``cudaMalloc`` calls a step of the reference steps, their lead-ins, the dense fit's reference steps, the eager-only
+fits' and the plan's (:func:`allocs_per_step`): whether the reference meets memory the allocator had not cached,
+which plain eager steps would not; ``reference_allocs`` and ``lead_in_allocs`` are the ``FuseCallback()`` fit's own,
+step by step in batch order (``reference_allocs`` beside ``reference_ms``), to tell whether the lead-in took the
+switch's allocations or the timed steps after it still met new sizes. On the GPU:
 
     python benchmarks/telemetry.py --models gpt,resnet18 --epoch-steps 50,200,1000 --budget-s 540
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 200 --optimizer default
     python benchmarks/telemetry.py --models resnet18 --batches small --epoch-steps 1000 --host-spins
+    python benchmarks/telemetry.py --models gpt,llama --batches small --epoch-steps 200 --eager-control --reset-control
     python benchmarks/telemetry.py --smoke --models gpt --batches small --epoch-steps 12   # CPU, the code path
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 from pathlib import Path
@@ -71,6 +77,7 @@ import harness
 import lightning.pytorch as pl
 import models
 import numpy as np
+import torch
 
 from lightning_fuse import FuseCallback
 from lightning_fuse.timing import EAGER, LEAD_IN
@@ -80,7 +87,8 @@ FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_l
           "eager_ratio_in_run",
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
-          "eager_control_ratio", "eager_fits_cpu_ratio", "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense",
+          "eager_control_ratio", "eager_fits_cpu_ratio", "eager_reset_ratio", "eager_reset_cpu_ratio",
+          "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense",
           "eager_cpu_by_position",
           "reference_ms", "reference_sizes", "dense_ms", "dense_sizes", "plan_step_ms", "spin_ms_by_fit",
           "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
@@ -297,13 +305,28 @@ def steps_of(fits: dict[str, dict], name: str, epoch: int) -> list[float]:
     return fits[name]["epoch_ms"].get(epoch, [])
 
 
-def measure(spec: dict) -> dict:
-    """The five fits (six with ``eager_control``), in one process; the last epoch of each counts."""
+def release_compiled_state() -> None:
+    """Let go of what the process holds after compiled fits: dynamo's and inductor's caches and the CUDA graphs
+    (:func:`torch.compiler.reset`; files on disk stay), unreachable objects, the CUDA allocator's unused blocks."""
+    torch.compiler.reset()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_fits(spec: dict) -> dict[str, dict]:
+    """The fits of :func:`measure`, in order and in one process: ``eager_0`` (with ``eager_control``), ``eager_1``,
+    ``fuse``, ``eager_2``, ``eager_3`` (with ``reset_control``: after :func:`release_compiled_state`), ``fuse_0``
+    (``eager_steps=0``) and ``fuse_dense`` (:data:`DENSE`), each with its pooled reference, spins and marks."""
     epochs, steps = spec["epochs"], spec["epoch_steps"]
     control = [("eager_0", "eager", {})] if spec.get("eager_control") else []
+    reset = [("eager_3", "eager", {})] if spec.get("reset_control") else []
     fits = {}
-    for name, variant, fuse_kw in (*control, ("eager_1", "eager", {}), ("fuse", "fuse", {}), ("eager_2", "eager", {}),
-                                   ("fuse_0", "fuse", {"eager_steps": 0}), ("fuse_dense", "fuse", DENSE)):  # fmt: skip
+    order = (*control, ("eager_1", "eager", {}), ("fuse", "fuse", {}), ("eager_2", "eager", {}), *reset,
+             ("fuse_0", "fuse", {"eager_steps": 0}), ("fuse_dense", "fuse", DENSE))
+    for name, variant, fuse_kw in order:
+        if name == "eager_3":
+            release_compiled_state()
         task, loader = models.build(spec["model"], spec["batch_size"], spec["smoke"], steps,
                                     fused=spec.get("optimizer", "fused") == "fused")
         callbacks = models.apply_variant(task, variant, spec["smoke"], spec["cache_dir"], **fuse_kw)
@@ -314,6 +337,15 @@ def measure(spec: dict) -> dict:
                       "reference": pooled_reference(callbacks), "spins": host[0].readings if host else [],
                       "reference_steps": marks[0].reference if marks else set(),
                       "lead_in_steps": marks[0].lead_ins if marks else set()}  # fmt: skip
+    return fits
+
+
+def measure(spec: dict) -> dict:
+    """The five fits (six or seven with ``eager_control``, ``reset_control``) of :func:`run_fits`; the last epoch of
+    each counts."""
+    epochs, steps = spec["epochs"], spec["epoch_steps"]
+    fits = run_fits(spec)
+    control, reset = "eager_0" in fits, "eager_3" in fits
     last = {name: steps_of(fits, name, epochs - 1) for name in fits}
     cpu = {name: fit["epoch_cpu_ms"].get(epochs - 1, []) for name, fit in fits.items()}
     eager_cpu = cpu["eager_1"] + cpu["eager_2"]
@@ -340,6 +372,8 @@ def measure(spec: dict) -> dict:
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
         "eager_control_ratio": ratio_of_medians(last["eager_1"], last["eager_0"]) if control else None,
         "eager_fits_cpu_ratio": ratio_of_medians(cpu["eager_2"], cpu["eager_1"]),
+        "eager_reset_ratio": ratio_of_medians(last["eager_3"], last["eager_2"]) if reset else None,
+        "eager_reset_cpu_ratio": ratio_of_medians(cpu["eager_3"], cpu["eager_2"]) if reset else None,
         "eager_cpu_ratio_in_run": ratio_of_medians(reference_cpu_ms(fits["fuse"], steps)[0], eager_cpu),
         "eager_cpu_ratio_dense": ratio_of_medians(dense_cpu, eager_cpu),
         "eager_cpu_by_position": by_position(dense_cpu, dense_cpu_chunks, eager_cpu),
@@ -515,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host-spins", action="store_true", help="read the host's speed inside the fits (HostSpins)")
     p.add_argument("--eager-control", action="store_true",
                    help="a plain eager fit first, before any compiled work (eager_control_ratio)")
+    p.add_argument("--reset-control", action="store_true",
+                   help="a plain eager fit after eager_2 with the compiled state let go (eager_reset_ratio)")
     p.add_argument("--coverage", type=Path, help="print the issue's checks over these records (coverage), and stop")
     args = p.parse_args(argv)
     if args.coverage:
@@ -527,6 +563,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     groups = [[{"model": model, "batch_size": batch, "epoch_steps": int(steps), "epochs": args.epochs,
                 "optimizer": args.optimizer, "host_spins": args.host_spins, "eager_control": args.eager_control,
+                "reset_control": args.reset_control,
                 "smoke": args.smoke}]
               for model, batch in models.regimes(args) for steps in args.epoch_steps.split(",")]
     return harness.run(args, "telemetry.py", measure, FIELDS, groups)

@@ -403,12 +403,12 @@ def test_patterns_fuse_warm_records_the_whole_cold_fuse_fit_it_runs_on_its_cache
         patterns.main([*argv[:-2], "fuse,fuse_warm", "--out", str(out)])
 
 
-def test_telemetry_six_fits(tmp_path: Path, in_process) -> None:
+def test_telemetry_seven_fits(tmp_path: Path, in_process) -> None:
     import telemetry
 
     out = tmp_path / "telemetry.jsonl"
     argv = ["--smoke", "--models", "gpt", "--batches", "small", "--epoch-steps", "10", "--host-spins",
-            "--eager-control", "--out", str(out)]  # fmt: skip
+            "--eager-control", "--reset-control", "--out", str(out)]  # fmt: skip
     assert telemetry.main(argv) == 0
     (record,) = _records(out)
     _check([record], telemetry.FIELDS, 1)
@@ -417,6 +417,7 @@ def test_telemetry_six_fits(tmp_path: Path, in_process) -> None:
         assert record["reference_age"] >= 0 and record["eager_ratio_in_run"] > 0
     assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0 and record["eager_fits_cpu_ratio"] > 0
     assert record["independent_adjacent"] > 0 and record["eager_control_ratio"] > 0, "a third plain eager fit, first"
+    assert record["eager_reset_ratio"] > 0 and record["eager_reset_cpu_ratio"] > 0, "a fourth, the compiled state gone"
     assert record["epochs"] == 2 and len(record["independent_by_epoch"]) == 2, "every epoch's own ratio"
     assert record["independent_by_epoch"][-1] == record["independent"], "the last epoch's is the record's"
     assert len(record["logged_by_epoch"]) in (0, 2) and all(len(row) == 4 for row in record["logged_by_epoch"])
@@ -440,8 +441,8 @@ def test_telemetry_six_fits(tmp_path: Path, in_process) -> None:
     assert (marks.lead_ins, marks.reference) == ({1}, {2, 3}), "the chunk's lead-in apart from its timed steps"
     fit = {"device_allocs": [0, 5, 2, 0, 0], "reference_steps": marks.reference, "lead_in_steps": marks.lead_ins}
     assert (telemetry.allocs_at(fit, "reference_steps"), telemetry.allocs_at(fit, "lead_in_steps")) == ([2, 0], [5])
-    assert len(record["spin_ms_by_fit"]) == 7 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "six and after"
-    assert len(record["switches_by_fit"]) == 6
+    assert len(record["spin_ms_by_fit"]) == 8 and all(ms > 0 for ms in record["spin_ms_by_fit"]), "seven and after"
+    assert len(record["switches_by_fit"]) == 7
     assert record["spin_ms_eager"] > 0, "each eager-only fit's middle batch reads the host"
     for moment in ("spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan"):  # None where no such step ran
         assert record[moment] is None or record[moment] > 0
