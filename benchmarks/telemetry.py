@@ -8,7 +8,8 @@ For each model, batch and epoch length: an eager-only fit, a ``FuseCallback()`` 
 them); ``independent`` is the eager-only fits' median step over the ``eager_steps=0`` fit's, in the last epoch,
 with a 95% percentile-bootstrap interval of that ratio of medians (``scipy.stats.bootstrap``), and
 ``independent_adjacent`` the same ratio from the second eager-only fit alone, the one run right before the
-``eager_steps=0`` fit (the nearer moment of the host's);
+``eager_steps=0`` fit (the nearer moment of the host's), and ``independent_mean`` the ratio of the mean steps
+(:func:`ratio_of_means`: a host with two speeds moves a median from one to the other);
 ``reference_cost`` is the ``FuseCallback()`` fit's last-epoch training time over the ``eager_steps=0`` fit's,
 minus 1 (what the reference steps cost, and how far the host moved between the two fits), and
 ``reference_cost_in_run`` the reference's share of the whole ``FuseCallback()`` fit's training time as the callback
@@ -28,16 +29,16 @@ last epoch, so that an interval can be recomputed from a record). A default refe
 see a 3% difference in host-bound eager steps, so the dense fit measures the same ratio from many
 (``eager_ratio_dense``, with its interval, and ``eager_ratio_by_position``: the same ratio for the first timed step
 of each chunk after its lead-in, for the second, and so on), and
-``eager_fits_ratio`` (the second eager-only fit's median step over the first's) says how far two plain eager fits
-of one process agree, with a ``FuseCallback()`` fit between them. With ``--eager-control`` a third eager-only fit
-runs first, before any compiled work, and ``eager_control_ratio`` is the first one's median step over it: two plain
-eager fits with nothing between them, so that a slower eager after compiled work (the process's state) tells
-from the machine's drift over the same minutes. With ``--reset-control`` one more eager-only fit runs right after
-the second, once the process has let go of its compiled state (:func:`release_compiled_state`), and
-``eager_reset_ratio`` (``eager_reset_cpu_ratio``: of CPU time) is its median step over the second's: whether what the
-process holds after compiled work slows plain eager, from two fits one moment of the host apart. Whether the host
-made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main thread's CPU time per step (what each step
-asked of the host; ``eager_cpu_ratio_in_run`` and
+``eager_fits_ratio`` (the second eager-only fit's median step over the first's; ``eager_fits_mean_ratio``, of their
+mean steps) says how far two plain eager fits of one process agree, with a ``FuseCallback()`` fit between them. With
+``--eager-control`` a third eager-only fit runs first, before any compiled work, and ``eager_control_ratio`` is the
+first one's median step over it: two plain eager fits with nothing between them, so that a slower eager after
+compiled work (the process's state) tells from the machine's drift over the same minutes. With ``--reset-control``
+one more eager-only fit runs right after the second, once the process has let go of its compiled state
+(:func:`release_compiled_state`), and ``eager_reset_ratio`` (``eager_reset_cpu_ratio``: of CPU time) is its median
+step over the second's: whether what the process holds after compiled work slows plain eager, from two fits one
+moment of the host apart. Whether the host made them differ: ``eager_fits_cpu_ratio`` is the same ratio of the main
+thread's CPU time per step (what each step asked of the host; ``eager_cpu_ratio_in_run`` and
 ``eager_cpu_ratio_dense``: the reference steps', of every epoch, over the eager-only fits', of the last;
 ``eager_cpu_by_position`` as ``eager_ratio_by_position``),
 ``spin_ms_by_fit`` the host's speed for Python just before each fit, in their order, and after the
@@ -83,10 +84,12 @@ from lightning_fuse import FuseCallback
 from lightning_fuse.timing import EAGER, LEAD_IN
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
-          "independent_low", "independent_high", "independent_adjacent", "reference_cost", "reference_cost_in_run",
+          "independent_low", "independent_high", "independent_adjacent", "independent_mean", "reference_cost",
+          "reference_cost_in_run",
           "eager_ratio_in_run",
           "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
           "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
+          "eager_fits_mean_ratio",
           "eager_control_ratio", "eager_fits_cpu_ratio", "eager_reset_ratio", "eager_reset_cpu_ratio",
           "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense",
           "eager_cpu_by_position",
@@ -300,6 +303,20 @@ def ratio_of_medians(numerator: list[float], denominator: list[float]) -> float 
     return statistics.median(numerator) / statistics.median(denominator) if numerator and denominator else None
 
 
+def ratio_of_means(numerator: list[float], denominator: list[float]) -> float | None:
+    """``mean(numerator) / mean(denominator)``, or ``None`` when either side has no step: the ratio of the time the
+    steps took, which moves with the share of steps a slow moment of the host held, where a median jumps between
+    the host's two speeds once about half the steps ran at each.
+
+    Example::
+
+        >>> later, earlier = [2.0, 2.0, 3.6, 3.6, 3.6], [2.0, 2.0, 2.0, 3.6, 3.6]  # one step more in the slow moment
+        >>> round(ratio_of_means(later, earlier), 2), ratio_of_medians(later, earlier)
+        (1.12, 1.8)
+    """
+    return statistics.fmean(numerator) / statistics.fmean(denominator) if numerator and denominator else None
+
+
 def steps_of(fits: dict[str, dict], name: str, epoch: int) -> list[float]:
     """The step ms of fit ``name``'s ``epoch`` (none where it ran no such epoch)."""
     return fits[name]["epoch_ms"].get(epoch, [])
@@ -361,6 +378,7 @@ def measure(spec: dict) -> dict:
         "logged_high": history.get("fuse/speedup_high"),
         "independent": ratio_of_medians(eager, compiled), "independent_low": low, "independent_high": high,
         "independent_adjacent": ratio_of_medians(last["eager_2"], compiled),
+        "independent_mean": ratio_of_means(eager, compiled),
         "reference_cost": sum(last["fuse"]) / sum(compiled) - 1 if last["fuse"] and compiled else None,
         "reference_cost_in_run": own_cost,
         "eager_ratio_in_run": ratio_of_medians(reference, eager), "eager_ratio_low": in_run_low,
@@ -370,6 +388,7 @@ def measure(spec: dict) -> dict:
         "eager_ratio_dense": ratio_of_medians(dense, eager), "eager_ratio_dense_low": dense_low,
         "eager_ratio_dense_high": dense_high, "eager_ratio_by_position": by_position(dense, dense_chunks, eager),
         "eager_fits_ratio": ratio_of_medians(last["eager_2"], last["eager_1"]),
+        "eager_fits_mean_ratio": ratio_of_means(last["eager_2"], last["eager_1"]),
         "eager_control_ratio": ratio_of_medians(last["eager_1"], last["eager_0"]) if control else None,
         "eager_fits_cpu_ratio": ratio_of_medians(cpu["eager_2"], cpu["eager_1"]),
         "eager_reset_ratio": ratio_of_medians(last["eager_3"], last["eager_2"]) if reset else None,

@@ -418,6 +418,7 @@ def test_telemetry_seven_fits(tmp_path: Path, in_process) -> None:
     assert record["reference_steps"] >= 0 and record["eager_fits_ratio"] > 0 and record["eager_fits_cpu_ratio"] > 0
     assert record["independent_adjacent"] > 0 and record["eager_control_ratio"] > 0, "a third plain eager fit, first"
     assert record["eager_reset_ratio"] > 0 and record["eager_reset_cpu_ratio"] > 0, "a fourth, the compiled state gone"
+    assert record["independent_mean"] > 0 and record["eager_fits_mean_ratio"] > 0, "the ratios of the steps' time too"
     assert record["epochs"] == 2 and len(record["independent_by_epoch"]) == 2, "every epoch's own ratio"
     assert record["independent_by_epoch"][-1] == record["independent"], "the last epoch's is the record's"
     assert len(record["logged_by_epoch"]) in (0, 2) and all(len(row) == 4 for row in record["logged_by_epoch"])
