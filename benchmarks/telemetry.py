@@ -85,19 +85,15 @@ from lightning_fuse.timing import EAGER, LEAD_IN
 
 FIELDS = ("model", "batch_size", "epoch_steps", "optimizer", "logged", "logged_low", "logged_high", "independent",
           "independent_low", "independent_high", "independent_adjacent", "independent_mean", "reference_cost",
-          "reference_cost_in_run",
-          "eager_ratio_in_run",
-          "eager_ratio_low", "eager_ratio_high", "reference_steps", "reference_chunks", "eager_ratio_dense",
-          "eager_ratio_dense_low", "eager_ratio_dense_high", "eager_ratio_by_position", "eager_fits_ratio",
-          "eager_fits_mean_ratio",
-          "eager_control_ratio", "eager_fits_cpu_ratio", "eager_reset_ratio", "eager_reset_cpu_ratio",
-          "eager_cpu_ratio_in_run", "eager_cpu_ratio_dense",
-          "eager_cpu_by_position",
-          "reference_ms", "reference_sizes", "dense_ms", "dense_sizes", "plan_step_ms", "spin_ms_by_fit",
-          "spin_ms_eager", "spin_ms_reference", "spin_ms_dense_reference", "spin_ms_plan",
-          "eager_by_spin", "plan_by_spin", "reference_by_spin", "dense_by_spin", "switches_by_fit", "reference_age",
-          "allocs_per_step", "reference_allocs", "lead_in_allocs", "epochs", "logged_by_epoch", "independent_by_epoch",
-          "error")  # fmt: skip
+          "reference_cost_in_run", "eager_ratio_in_run", "eager_ratio_low", "eager_ratio_high", "reference_steps",
+          "reference_chunks", "eager_ratio_dense", "eager_ratio_dense_low", "eager_ratio_dense_high",
+          "eager_ratio_by_position", "eager_fits_ratio", "eager_fits_mean_ratio", "eager_control_ratio",
+          "eager_fits_cpu_ratio", "eager_reset_ratio", "eager_reset_cpu_ratio", "eager_cpu_ratio_in_run",
+          "eager_cpu_ratio_dense", "eager_cpu_by_position", "reference_ms", "reference_sizes", "dense_ms",
+          "dense_sizes", "plan_step_ms", "spin_ms_by_fit", "spin_ms_eager", "spin_ms_reference",
+          "spin_ms_dense_reference", "spin_ms_plan", "eager_by_spin", "plan_by_spin", "reference_by_spin",
+          "dense_by_spin", "switches_by_fit", "reference_age", "allocs_per_step", "reference_allocs",
+          "lead_in_allocs", "epochs", "logged_by_epoch", "independent_by_epoch", "error")  # fmt: skip
 DENSE = {"eager_steps": 60, "reference_budget": 0.5}
 """The dense reference's FuseCallback arguments: up to 60 eager steps an epoch (a third of its steps at most)."""
 SPIN_EVERY = 100
