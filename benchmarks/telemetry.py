@@ -526,9 +526,10 @@ def _newest(records: list[dict]) -> dict[tuple, dict]:
 
 
 def _spun(record: dict) -> bool:
-    """Whether a record read the host's speed inside its fits (``--host-spins``): the spins at the reference's
-    lead-ins count in the reference's time, so its ``reference_cost_in_run`` is not the reference's alone."""
-    return bool(record.get("reference_by_spin") or record.get("dense_by_spin"))
+    """Whether the ``FuseCallback()`` fit of a record read the host's speed at its reference's lead-ins
+    (``--host-spins``, ``spin_ms_reference``): those spins count in the reference's time, so its
+    ``reference_cost_in_run`` is not the reference's alone."""
+    return record.get("spin_ms_reference") is not None
 
 
 def _judge(record: dict) -> tuple[str, float]:

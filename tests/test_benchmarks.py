@@ -900,8 +900,8 @@ def test_coverage_reads_the_reference_cost_from_the_newest_record_without_in_fit
 
     case = {"model": "gpt", "batch_size": 8, "epoch_steps": 1000, "logged": 7.0, "logged_low": 6.0,
             "logged_high": 8.0, "independent": 7.1}  # fmt: skip
-    plain = {**case, "reference_cost_in_run": 0.016, "reference_by_spin": []}
-    spun = {**case, "reference_cost_in_run": 0.026, "reference_by_spin": [[4.0, 19.4]]}
+    plain = {**case, "reference_cost_in_run": 0.016, "spin_ms_reference": None}
+    spun = {**case, "reference_cost_in_run": 0.026, "spin_ms_reference": 4.0}
     table = telemetry.coverage([plain, spun]).splitlines()
     assert table[2].endswith("| 2.6%† |"), "the newest record's row, its cost marked as counting the spins"
     assert "reference cost <= 2% on 1000-step epochs 1 of the 1 that record it" in table[-1], "the older one's 1.6%"
