@@ -9,6 +9,7 @@ what it sees.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -130,3 +131,29 @@ def test_output_tensors_the_graphs_keep_themselves_are_held_only_while_the_calle
     assert watch.held()
     del kept
     assert not watch.held()
+
+
+def test_an_output_only_a_reference_cycle_reaches_is_not_held_the_first_time():
+    """A cycle keeps what it reaches until the collector's next pass: counted before it, the output reads as held,
+    and the plan would hand over to a compile without graphs for nothing."""
+
+    class Node:
+        pass
+
+    watch = OutputWatch()
+    gc.disable()  # the collector passes when the test says, not at a moment of its own
+    try:
+        node = Node()
+        node.loop, node.logits = node, watch((torch.ones(2, 3) * 2,))[0]
+        del node
+        assert not watch.held(), "the cycle was collected before the count"
+        kept = watch((torch.ones(2, 3) * 3,))[0].detach()
+        assert watch.held(), "a tensor the step keeps is held, collector or not"
+        del kept
+        watch.clear()
+        again = Node()
+        again.loop, again.logits = again, watch((torch.ones(2, 3) * 4,))[0]
+        del again
+        assert watch.held(), "the collector ran once a watch: a cycle met later reads as held"
+    finally:
+        gc.enable()
