@@ -461,24 +461,30 @@ reference cost <= 2% on 1000-step epochs 0 of the 0 that record it.
 
 
 def _control(judged: list[tuple]) -> str:
-    """What the ``--eager-control`` records say: two plain eager fits with nothing between them, against two with a
-    ``FuseCallback()`` fit between them, as medians over the cases that record both.
+    """What the ``--eager-control`` and ``--reset-control`` records say: two plain eager fits with nothing between
+    them, against two with a ``FuseCallback()`` fit between them, as medians over the cases that record both; and
+    the eager fit after those, the compiled state let go, against the one before it.
 
     Example::
 
-        >>> rows = [{"eager_control_ratio": 1.01, "eager_fits_ratio": 1.05}, {"eager_control_ratio": 0.99}]
+        >>> rows = [{"eager_control_ratio": 1.01, "eager_fits_ratio": 1.05, "eager_reset_ratio": 0.98},
+        ...         {"eager_control_ratio": 0.99}]
         >>> _control([(None, row) for row in rows])
         ' Two plain eager fits with nothing between them: median 1.01, within 3% in 1 of 1; with a FuseCallback() \
-fit between them, in the same cases: median 1.05.'
+fit between them, in the same cases: median 1.05; the compiled state let go after the second, a third over it: \
+median 0.98, within 3% in 1 of 1.'
     """
     pairs = [(r["eager_control_ratio"], r["eager_fits_ratio"]) for _, r, *_ in judged
              if r.get("eager_control_ratio") is not None and r.get("eager_fits_ratio") is not None]
     if not pairs:
         return ""
     control, across = zip(*pairs)
+    reset = [r["eager_reset_ratio"] for _, r, *_ in judged if r.get("eager_reset_ratio") is not None]
+    released = (f"; the compiled state let go after the second, a third over it: median {statistics.median(reset):.2f}"
+                f", within 3% in {sum(map(_within_3_percent, reset))} of {len(reset)}" if reset else "")
     return (f" Two plain eager fits with nothing between them: median {statistics.median(control):.2f}, within 3% "
             f"in {sum(map(_within_3_percent, control))} of {len(control)}; with a FuseCallback() fit between them, "
-            f"in the same cases: median {statistics.median(across):.2f}.")
+            f"in the same cases: median {statistics.median(across):.2f}{released}.")
 
 
 def by_epoch(records: list[dict]) -> str:
